@@ -1,0 +1,40 @@
+# One command sets up, one command tests.  Everything installs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.agentroll-installed
+PYTEST_FAST := -m "not slow and not docker and not vllm and not ray"
+
+.PHONY: demo test test-fast lint services venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing agentroll[dev] (torch 2.13.0 CPU wheel)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --progress-bar off -q --upgrade pip
+	$(BIN)/pip install --progress-bar off -e '.[dev]'
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+# Services the suite needs (bubblewrap now; docker, vllm, ray as their issues land).
+services:
+	scripts/services.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check agentroll environments tools examples tests
+	$(BIN)/ruff format --check agentroll environments tools examples tests
+	$(BIN)/mypy
+	$(BIN)/mypy environments tools
+
+# AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
+test: $(STAMP) services lint
+	AGENTROLL_REQUIRE=bwrap $(BIN)/pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -x $(PYTEST_FAST)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,94 @@
+"""agentroll: a rollout engine for RL post-training of tool-using LLM agents.
+
+The public API is what ``__all__`` lists (pinned by ``tests/test_public_api.py``); heavy
+optional dependencies (torch kernels, vllm, docker, ray) are imported lazily by the modules
+that need them.
+"""
+
+from agentroll.backends import (
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    MockBackend,
+    MockResponse,
+    SamplingParams,
+)
+from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
+from agentroll.env import Environment, EpisodeState, Rubric, Tool, load_environment, tool
+from agentroll.errors import (
+    AgentrollError,
+    BackendError,
+    ChatTemplateError,
+    ConfigError,
+    EnvError,
+    EpisodeTimeout,
+    GenerationTimeout,
+    MissingDependencyError,
+    SandboxError,
+    ToolCallParseError,
+    ToolError,
+)
+from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
+from agentroll.types import (
+    ExecResult,
+    Message,
+    Task,
+    ToolCall,
+    ToolResult,
+    ToolSpec,
+    Trajectory,
+    Turn,
+    decode_json,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentrollError",
+    "Backend",
+    "BackendError",
+    "ChatTemplateError",
+    "ChatTokenizer",
+    "ConfigError",
+    "EnvError",
+    "Environment",
+    "EpisodeState",
+    "EpisodeTimeout",
+    "ExecResult",
+    "GenerationChunk",
+    "GenerationRequest",
+    "GenerationTimeout",
+    "HermesToolParser",
+    "Message",
+    "MissingDependencyError",
+    "MockBackend",
+    "MockResponse",
+    "ParsedOutput",
+    "RolloutConfig",
+    "RolloutEngine",
+    "Rubric",
+    "SamplingParams",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "Task",
+    "Tool",
+    "ToolCall",
+    "ToolCallParseError",
+    "ToolError",
+    "ToolResult",
+    "ToolSpec",
+    "Trajectory",
+    "Turn",
+    "decode_json",
+    "decode_msgpack",
+    "encode_json",
+    "encode_msgpack",
+    "load_environment",
+    "open_sandbox",
+    "tool",
+]

@@ -1,0 +1,111 @@
+"""The Backend protocol: where tokens come from.
+
+A backend turns a ``GenerationRequest`` (prompt token ids + sampling) into a stream of
+``GenerationChunk``s.  Invariants: chunks carry exactly the sampled ids (token-in, token-out);
+every chunk's tokens share one ``policy_version`` and one ``kv_version`` (a backend starts a
+new chunk when either changes); the last chunk has ``finish_reason`` set; ``logprobs`` are
+those of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from agentroll.types import FinishReason
+
+ResumePolicy = Literal["keep", "recompute", "restart"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Per-request sampling parameters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    """One generation call: continue ``prompt_ids`` under ``sampling``."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    episode_id: str = ""
+    turn_index: int = 0
+
+
+class GenerationChunk(msgspec.Struct, kw_only=True):
+    """Newly sampled tokens, with provenance.  ``finish_reason`` is set on the last chunk."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    kv_version: int
+    finish_reason: FinishReason | None = None
+
+
+class Backend(abc.ABC):
+    """Base class of generation backends (mock, torch, vllm, http).
+
+    Lifecycle: ``async with backend:`` (or ``start()`` / ``close()``).  ``generate`` may be
+    called concurrently from many episodes.
+    """
+
+    name: str = "backend"
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights new tokens are sampled with."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load the model / connect."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources.  Idempotent."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the tokens sampled for ``request``.
+
+        Raises ``BackendError`` on failure.  On cancellation the request is aborted in the
+        backend and no further tokens are sampled for it.
+        """
+
+    async def pause(self, policy: ResumePolicy = "keep") -> None:
+        """Stop sampling at a token boundary; in-flight requests wait.  Default: unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause")
+
+    async def resume(self) -> None:
+        """Continue after ``pause``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot resume")
+
+    async def apply(self, update: Any) -> None:
+        """Apply a ``WeightUpdate``.  Default: unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot apply weight updates")
+
+    async def __aenter__(self) -> Backend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,383 @@
+"""Chat rendering and tool-call parsing, token-in / token-out.
+
+Invariants: the prompt is rendered once; afterwards the engine appends the sampled ids as
+they are and renders only each new environment message (``continuation_ids``), so every
+request's prompt is a prefix of the final trajectory.  A template whose rendering of a longer
+conversation does not extend the shorter one raises ``ChatTemplateError`` instead of silently
+drifting.  Parsing never raises on model output: problems come back as error strings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.sandbox
+import msgspec
+from tokenizers import Tokenizer
+
+from agentroll.errors import ChatTemplateError, ConfigError
+from agentroll.types import Message, ToolCall, ToolSpec
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a Hugging Face chat template in a sandboxed jinja environment."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+_CACHE_MAX_PIECE = 4096  # encode() caches pieces up to this many characters
+_CACHE_MAX_ENTRIES = 4096
+_MISSING: Any = object()
+
+# A fixed conversation the incremental renderer extends; never shown to the model.
+_ANCHOR = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+]
+
+
+class ChatTokenizer:
+    """A fast tokenizer plus its chat template.
+
+    ``eot_token`` ends an assistant turn (``<|im_end|>`` for Qwen/Hermes templates) and is
+    the default stop token.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str,
+        *,
+        eot_token: str,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._template = compile_template(chat_template)
+        eot_id = tokenizer.token_to_id(eot_token)
+        if eot_id is None:
+            raise ConfigError(f"end-of-turn token {eot_token!r} is not in the vocabulary")
+        self.eot_token = eot_token
+        self.eot_id: int = eot_id
+        self.bos_token = bos_token
+        self.pad_token = pad_token
+        self.pad_id = tokenizer.token_to_id(pad_token) if pad_token else eot_id
+        self._init_encode_cache()
+        self._anchor_text = self.render(_ANCHOR)
+        self._fast_shapes: dict[tuple[Any, ...], tuple[list[str] | None, Any]] = {}
+        # The text a template puts after an assistant turn's end-of-turn token ("\n" for
+        # Qwen): the sampled ids stop at the token, the template's rendering goes on.
+        idx = self._anchor_text.rfind(eot_token)
+        if idx < 0:
+            raise ChatTemplateError(
+                f"the chat template never emits the end-of-turn token {eot_token!r}"
+            )
+        self._eot_tail = self._anchor_text[idx + len(eot_token) :]
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ChatTokenizer:
+        """Load ``tokenizer.json`` and ``tokenizer_config.json`` (chat_template, eos) from a
+        Hugging Face style directory, without transformers."""
+        p = Path(path)
+        tok_file = p / "tokenizer.json"
+        cfg_file = p / "tokenizer_config.json"
+        if not tok_file.exists() or not cfg_file.exists():
+            raise ConfigError(
+                f"{p} has no tokenizer.json/tokenizer_config.json; make one with "
+                "`agentroll model create-tiny DIR` or point at a Hugging Face checkpoint"
+            )
+        cfg = json.loads(cfg_file.read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise ConfigError(f"{cfg_file} has no chat_template")
+
+        def token(name: str) -> str | None:
+            val = cfg.get(name)
+            return val.get("content") if isinstance(val, dict) else val
+
+        eot = token("eos_token")
+        if eot is None:
+            raise ConfigError(f"{cfg_file} has no eos_token")
+        return cls(
+            Tokenizer.from_file(str(tok_file)),
+            template,
+            eot_token=eot,
+            bos_token=token("bos_token"),
+            pad_token=token("pad_token"),
+        )
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def _init_encode_cache(self) -> None:
+        # A fast tokenizer splits its input at added tokens and encodes the pieces
+        # independently, so pieces (a system prompt with tool schemas, "user\n", ...) can be
+        # encoded once and reused.  Enabled only if this tokenizer is seen to behave so.
+        added = sorted(
+            (t.content for t in self.tokenizer.get_added_tokens_decoder().values()),
+            key=len,
+            reverse=True,
+        )
+        self._added_ids = {t: self.tokenizer.token_to_id(t) for t in added}
+        self._split_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        self._piece_cache: dict[str, list[int]] = {}
+        probe = f"Hello  world 12{self.eot_token}\n x  y{self.eot_token}z"
+        self._can_cache = self._split_re is not None and self._encode_pieces(
+            probe
+        ) == self._encode_raw(probe)
+
+    def _encode_raw(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        assert self._split_re is not None
+        ids: list[int] = []
+        cache = self._piece_cache
+        # re.split with a group alternates: text, added token, text, added token, ..., text
+        for i, piece in enumerate(self._split_re.split(text)):
+            if i & 1:
+                ids.append(self._added_ids[piece])
+            elif piece:
+                cached = cache.get(piece)
+                if cached is None:
+                    cached = self._encode_raw(piece)
+                    if len(piece) <= _CACHE_MAX_PIECE:
+                        if len(cache) >= _CACHE_MAX_ENTRIES:
+                            cache.clear()
+                        cache[piece] = cached
+                ids.extend(cached)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens in the text are recognised, none added)."""
+        if self._can_cache:
+            return self._encode_pieces(text)
+        return self._encode_raw(text)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    # -- rendering -------------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[Message | dict[str, Any]],
+        *,
+        tools: Sequence[ToolSpec] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """Render ``messages`` with the chat template to text."""
+        msgs = [m.to_template() if isinstance(m, Message) else m for m in messages]
+        try:
+            return self._template.render(
+                messages=msgs,
+                tools=[t.to_openai() for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eot_token,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def prompt_ids(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None
+    ) -> list[int]:
+        """Ids of the first prompt: all ``messages`` plus the generation prompt."""
+        return self.encode(self.render_prompt(messages, tools=tools))
+
+    def render_prompt(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None
+    ) -> str:
+        """``render(messages, tools=tools, add_generation_prompt=True)``, fast for plain
+        (no tool-call) messages; pass the same ``tools`` object each time to benefit."""
+        return self._fast_render(
+            ("prompt", id(tools)),
+            messages,
+            lambda msgs: self.render(msgs, tools=tools, add_generation_prompt=True),
+            keep=tools,
+        )
+
+    def continuation_ids(
+        self, new_messages: Sequence[Message], *, ended_with_eot: bool
+    ) -> list[int]:
+        """Ids to append after a sampled assistant turn: the template's text after the
+        end-of-turn token, the new (tool/user) messages, and the next generation prompt.
+
+        ``ended_with_eot`` says whether the sampled ids already end with the end-of-turn
+        token; if not (the turn hit its length limit), it is inserted.
+        """
+        text = self._eot_tail + self._render_suffix(new_messages)
+        ids = self.encode(text)
+        return ids if ended_with_eot else [self.eot_id, *ids]
+
+    def _render_suffix(self, new_messages: Sequence[Message]) -> str:
+        """The template's text for ``new_messages`` after an assistant turn (+ generation
+        prompt)."""
+        return self._fast_render(("suffix",), new_messages, self._render_suffix_slow)
+
+    def _render_suffix_slow(self, new_messages: Sequence[Message | dict[str, Any]]) -> str:
+        full = self.render([*_ANCHOR, *new_messages], add_generation_prompt=True)
+        if not full.startswith(self._anchor_text):
+            raise ChatTemplateError(
+                "the chat template rewrites earlier messages when new ones are added; "
+                "token-in/token-out rendering needs a template whose output only grows"
+            )
+        return full[len(self._anchor_text) :]
+
+    def _fast_render(
+        self,
+        kind: tuple[Any, ...],
+        messages: Sequence[Message],
+        render: Callable[[list[Message | dict[str, Any]]], str],
+        keep: Any = None,
+    ) -> str:
+        """``render(messages)`` through a cache of the template's output per message shape.
+
+        Messages without tool calls are rendered once per shape (roles, names) with
+        placeholder contents; afterwards only the contents are substituted.  A template
+        that transforms or branches on contents is detected by the placeholders (which
+        carry surrounding whitespace) not coming out verbatim; then the shape always takes
+        the slow path.  ``keep`` is held with the entry so that an ``id()`` in ``kind``
+        stays unique.
+        """
+        if any(m.tool_calls for m in messages):
+            return render(list(messages))
+        key = (*kind, tuple((m.role, m.name) for m in messages))
+        entry = self._fast_shapes.get(key)
+        if entry is None:
+            if len(self._fast_shapes) >= _CACHE_MAX_ENTRIES:
+                self._fast_shapes.clear()
+            entry = self._fast_shapes[key] = (self._shape_parts(messages, render), keep)
+        parts = entry[0]
+        if parts is None:
+            return render(list(messages))
+        out = [parts[0]]
+        for m, tail in zip(messages, parts[1:], strict=True):
+            out.append(m.content)
+            out.append(tail)
+        return "".join(out)
+
+    @staticmethod
+    def _shape_parts(
+        messages: Sequence[Message], render: Callable[[list[Message | dict[str, Any]]], str]
+    ) -> list[str] | None:
+        """The rendering of ``messages`` split around their contents, or ``None``."""
+        marks = [f" \n\x00agentroll-content-{i}\x00 \n" for i in range(len(messages))]
+        probe: list[Message | dict[str, Any]] = [
+            {**m.to_template(), "content": mark} for m, mark in zip(messages, marks, strict=True)
+        ]
+        text = render(probe)
+        parts: list[str] = []
+        for mark in marks:
+            if text.count(mark) != 1:
+                return None
+            head, text = text.split(mark)
+            parts.append(head)
+        parts.append(text)
+        return parts
+
+
+# -- tool-call parsing ---------------------------------------------------------------------
+
+
+class ParsedOutput(msgspec.Struct, kw_only=True):
+    """An assistant turn split into visible content, tool calls and parse errors."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    errors: list[str]
+
+
+class ToolParser(Protocol):
+    """Turns assistant text into calls.  Must never raise on any input."""
+
+    def parse(self, text: str, *, call_id_prefix: str = "call") -> ParsedOutput: ...
+
+
+class HermesToolParser:
+    """Hermes/Qwen format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+    start = "<tool_call>"
+    end = "</tool_call>"
+    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str, *, call_id_prefix: str = "call") -> ParsedOutput:
+        if self.start not in text and self.end not in text:
+            return ParsedOutput(content=text.strip(), tool_calls=[], errors=[])
+        calls: list[ToolCall] = []
+        errors: list[str] = []
+        for body in self._block.findall(text):
+            call, err = self._parse_one(body, f"{call_id_prefix}_{len(calls) + len(errors)}")
+            if call is not None:
+                calls.append(call)
+            else:
+                errors.append(err)
+        rest = self._block.sub("", text)
+        if self.start in rest:
+            errors.append("a <tool_call> block is not closed with </tool_call>")
+            rest = rest[: rest.index(self.start)]
+        if self.end in rest:
+            errors.append("a </tool_call> appears without its opening <tool_call>")
+            rest = rest.replace(self.end, "")
+        return ParsedOutput(content=rest.strip(), tool_calls=calls, errors=errors)
+
+    @staticmethod
+    def _parse_one(body: str, call_id: str) -> tuple[ToolCall | None, str]:
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            return (
+                None,
+                f'tool call is not valid JSON ({exc}); write {{"name": ..., "arguments": {{...}}}}',
+            )
+        if not isinstance(obj, dict):
+            return None, "tool call must be a JSON object with keys name and arguments"
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            return None, "tool call has no string 'name'"
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models double-encode the arguments
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                return None, f"arguments of tool call {name!r} are not a JSON object"
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            return None, f"arguments of tool call {name!r} must be a JSON object"
+        return ToolCall(id=call_id, name=name, arguments=args), ""
+
+
+TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesToolParser()}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The registered tool parser called ``name`` (add yours to ``TOOL_PARSERS``)."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None

@@ -1,0 +1,603 @@
+"""The asyncio episode engine: many multi-turn, tool-using episodes at once.
+
+Invariants (DESIGN.md 1, 2, 6, 8): the prompt is rendered once and every later request's
+prompt is the trajectory so far (sampled ids appended verbatim, environment replies rendered
+incrementally); ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
+``failed`` trajectory and never cancels its siblings; cancellation propagates and sandboxes
+are closed shielded from it; every worker task belongs to the engine's task group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from array import array
+from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from agentroll.backends.base import Backend, GenerationRequest, SamplingParams
+from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
+from agentroll.env import Environment, EpisodeState, call_hook, format_tool_output
+from agentroll.errors import ConfigError, EpisodeTimeout, GenerationTimeout, ToolError
+from agentroll.progress import Progress, ProgressMode
+from agentroll.sandbox.base import Sandbox, open_sandbox
+from agentroll.types import (
+    FinishReason,
+    Message,
+    Status,
+    Task,
+    ToolCall,
+    ToolResult,
+    Trajectory,
+    Turn,
+    new_id,
+    now,
+)
+
+logger = logging.getLogger("agentroll.rollout")
+_NAN = array("f", [math.nan])
+_MINUS1 = array("i", [-1])
+_ZERO = array("B", [0])
+_ONE = array("B", [1])
+_LONG_TEXT = 64 * 1024  # render/tokenize texts longer than this off the event loop
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Static settings of a rollout engine (sampling is per request, seeded per episode)."""
+
+    concurrency: int = 64
+    samples_per_task: int = 1
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    generation_timeout: float | None = 600.0
+    tool_timeout: float = 60.0
+    episode_timeout: float | None = 3600.0
+    tool_threads: int = 8
+    tool_parser: str = "hermes"
+    max_tool_output_chars: int = 16_384
+    keep_messages: bool = True
+    progress: ProgressMode = "auto"
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigError("concurrency must be >= 1")
+        if self.samples_per_task < 1:
+            raise ConfigError("samples_per_task must be >= 1")
+        if self.tool_threads < 1:
+            raise ConfigError("tool_threads must be >= 1")
+        for name in ("generation_timeout", "tool_timeout", "episode_timeout"):
+            val = getattr(self, name)
+            if val is not None and val <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds (or None for no limit)")
+
+
+def episode_seed(base: int, task_id: str, sample_index: int) -> int:
+    """Deterministic 63-bit seed of one episode."""
+    digest = hashlib.blake2b(f"{base}:{task_id}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class TrajectoryBuilder:
+    """Accumulates per-token arrays without per-token Python work."""
+
+    __slots__ = ("kv", "logprobs", "mask", "policy", "token_ids")
+
+    def __init__(self) -> None:
+        self.token_ids = array("i")
+        self.logprobs = array("f")
+        self.mask = array("B")
+        self.policy = array("i")
+        self.kv = array("i")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def add_context(self, ids: list[int]) -> None:
+        """Prompt or environment tokens: not trained on, no provenance."""
+        n = len(ids)
+        self.token_ids.extend(ids)
+        self.logprobs.extend(_NAN * n)
+        self.mask.extend(_ZERO * n)
+        self.policy.extend(_MINUS1 * n)
+        self.kv.extend(_MINUS1 * n)
+
+    def add_sampled(
+        self, ids: list[int], logprobs: list[float], policy_version: int, kv_version: int
+    ) -> None:
+        n = len(ids)
+        if len(logprobs) != n:
+            raise ValueError(f"backend returned {n} tokens but {len(logprobs)} logprobs")
+        self.token_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.mask.extend(_ONE * n)
+        self.policy.extend(array("i", [policy_version]) * n)
+        self.kv.extend(array("i", [kv_version]) * n)
+
+    def fill(self, traj: Trajectory) -> Trajectory:
+        """Copy the accumulated arrays into ``traj`` (one vectorised copy per array)."""
+        traj.token_ids = np.frombuffer(self.token_ids, dtype=np.int32).copy()
+        traj.logprobs = np.frombuffer(self.logprobs, dtype=np.float32).copy()
+        traj.loss_mask = np.frombuffer(self.mask, dtype=np.uint8).copy()
+        traj.policy_version = np.frombuffer(self.policy, dtype=np.int32).copy()
+        traj.kv_version = np.frombuffer(self.kv, dtype=np.int32).copy()
+        return traj
+
+
+async def close_shielded(sandbox: Sandbox) -> None:
+    """Close ``sandbox`` to completion even if the caller is being cancelled."""
+    task = asyncio.ensure_future(sandbox.close())
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
+    except Exception:
+        logger.exception("sandbox close failed")
+
+
+class _Outcome:
+    """A finished episode waiting for its group (group rewards need all samples)."""
+
+    __slots__ = ("env", "state", "trajectory")
+
+    def __init__(self, trajectory: Trajectory, env: Environment, state: EpisodeState) -> None:
+        self.trajectory = trajectory
+        self.env = env
+        self.state = state
+
+
+class RolloutEngine:
+    """Runs episodes of ``env`` against ``backend``.
+
+    ``async with RolloutEngine(backend, env, config, tokenizer=tok) as engine:`` then
+    ``async for traj in engine.run(tasks): ...``.  The engine owns its worker tasks and the
+    thread pool for sync hooks and tools; leaving the block cancels what still runs.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        env: Environment,
+        config: RolloutConfig | None = None,
+        *,
+        tokenizer: ChatTokenizer | None = None,
+    ) -> None:
+        tok = tokenizer or getattr(backend, "tokenizer", None)
+        if tok is None:
+            raise ConfigError("RolloutEngine needs a ChatTokenizer (pass tokenizer=...)")
+        self.backend = backend
+        self.env = env
+        self.config = config or RolloutConfig()
+        self.tokenizer: ChatTokenizer = tok
+        self.parser = get_tool_parser(self.config.tool_parser)
+        self._tools = env.tools
+        self._tool_specs = env.tool_specs or None
+        self._has_group_reward = bool(env.rubric and env.rubric.group_funcs)
+        self._executor: ThreadPoolExecutor | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._workers: set[asyncio.Task[None]] = set()
+        self.stats = {"episodes": 0, "failed": 0, "turns": 0}
+
+    async def __aenter__(self) -> RolloutEngine:
+        self._executor = ThreadPoolExecutor(
+            self.config.tool_threads, thread_name_prefix="agentroll-hook"
+        )
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        tg, self._tg = self._tg, None
+        # A consumer that broke out of ``run()`` without closing it leaves workers blocked on
+        # a queue nobody reads: leaving the engine cancels them.
+        for w in self._workers:
+            w.cancel()
+        try:
+            if tg is not None:
+                await tg.__aexit__(*exc)
+        finally:
+            if self._executor is not None:
+                # Threads of hung sync tools cannot be killed; they are abandoned, not joined.
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+
+    # -- running many episodes ------------------------------------------------------------
+
+    def _jobs(self, tasks: Iterable[Task]) -> Iterator[tuple[Task, int, str]]:
+        for task in tasks:
+            group = new_id()
+            for i in range(self.config.samples_per_task):
+                yield task, i, group
+
+    async def run(
+        self, tasks: Iterable[Task] | None = None, *, total: int | None = None
+    ) -> AsyncIterator[Trajectory]:
+        """Run every task ``samples_per_task`` times; yield trajectories as they finish
+        (a whole group at once when the environment has group rewards).
+
+        Leaving the loop early cancels the episodes still running.
+        """
+        if self._tg is None:
+            raise RuntimeError("use `async with RolloutEngine(...) as engine` before run()")
+        if tasks is None:
+            tasks = self.env.tasks()
+        if total is None and hasattr(tasks, "__len__"):
+            total = len(tasks) * self.config.samples_per_task  # type: ignore[arg-type]
+        jobs = self._jobs(tasks)
+        results: asyncio.Queue[_Outcome | BaseException | None] = asyncio.Queue(
+            maxsize=2 * self.config.concurrency
+        )
+
+        async def worker() -> None:
+            try:
+                for task, index, group in jobs:
+                    outcome = await self.run_episode(task, sample_index=index, group_id=group)
+                    await results.put(outcome)
+            except asyncio.CancelledError:
+                raise  # the consumer is gone or leaving: nobody waits for a sentinel
+            except Exception as exc:  # an engine bug: surface it to the consumer
+                await results.put(exc)
+                return
+            await results.put(None)
+
+        workers = [self._tg.create_task(worker()) for _ in range(self.config.concurrency)]
+        self._workers.update(workers)
+        pending: dict[str, list[_Outcome]] = {}
+        running = len(workers)
+        progress = Progress("episodes", total, mode=self.config.progress)
+        try:
+            while running:
+                item = await results.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                progress.advance(failed=item.trajectory.status == "failed")
+                if not self._has_group_reward:
+                    yield item.trajectory
+                    continue
+                group = pending.setdefault(item.trajectory.group_id, [])
+                group.append(item)
+                if len(group) == self.config.samples_per_task:
+                    del pending[item.trajectory.group_id]
+                    for traj in await self._score_group(group):
+                        yield traj
+        finally:
+            progress.close()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            self._workers.difference_update(workers)
+
+    async def _score_group(self, group: list[_Outcome]) -> list[Trajectory]:
+        rubric = group[0].env.rubric
+        assert rubric is not None
+        trajs = [o.trajectory for o in sorted(group, key=lambda o: o.trajectory.sample_index)]
+        scorable = [t for t in trajs if t.status != "failed"]
+        try:
+            scores = await rubric.score_group(scorable, self._executor)
+        except Exception as exc:
+            for t in scorable:
+                t.status, t.error = "failed", f"group reward failed: {type(exc).__name__}: {exc}"
+            return trajs
+        for t, s in zip(scorable, scores, strict=True):
+            t.rewards.update(s)
+            t.reward = rubric.combine(t.rewards)
+        return trajs
+
+    # -- one episode -------------------------------------------------------------------------
+
+    async def run_episode(
+        self, task: Task, *, sample_index: int = 0, group_id: str | None = None
+    ) -> _Outcome:
+        """Run one episode to completion.  Never raises for episode failures (they are on
+        the trajectory); raises only ``CancelledError``."""
+        cfg = self.config
+        env = self.env.spawn()
+        episode_id = new_id()
+        seed = episode_seed(cfg.seed, task.id, sample_index)
+        state = EpisodeState(task, seed=seed, episode_id=episode_id, sample_index=sample_index)
+        builder = TrajectoryBuilder()
+        turns: list[Turn] = []
+        messages: list[Message] = []
+        status: Status = "ok"
+        stop_reason = ""
+        prompt_len = 0
+        started = now()
+        sandbox: Sandbox | None = None
+        traj: Trajectory | None = None
+
+        def build() -> Trajectory:
+            return builder.fill(
+                Trajectory(
+                    id=episode_id,
+                    task_id=task.id,
+                    group_id=group_id or episode_id,
+                    sample_index=sample_index,
+                    seed=seed,
+                    env_name=env.name,
+                    env_version=env.version,
+                    backend=self.backend.name,
+                    status=status,
+                    stop_reason=stop_reason,
+                    prompt_len=prompt_len,
+                    turns=turns,
+                    messages=messages,
+                    started_at=started,
+                    metrics={
+                        "gen_seconds": sum(t.gen_seconds for t in turns),
+                        "tool_seconds": sum(t.tool_seconds for t in turns),
+                        "env_seconds": sum(t.env_seconds for t in turns),
+                    },
+                )
+            )
+
+        error: str | None = None
+        timer = asyncio.timeout(cfg.episode_timeout)
+        try:
+            async with timer:
+                if env.sandbox_config is not None:
+                    sandbox = open_sandbox(env.sandbox_config)
+                    await sandbox.start()
+                    state.sandbox = sandbox
+                messages.extend(
+                    await call_hook(env.reset, task, seed=seed, executor=self._executor)
+                )
+                state.messages = messages
+                prompt = await self._prompt_ids(messages)
+                builder.add_context(prompt)
+                prompt_len = len(prompt)
+                status, stop_reason = await self._turns(env, state, builder, turns, messages)
+                traj = build()
+                await self._score(env, state, traj)
+        except TimeoutError as exc:
+            stop_reason = "timeout"
+            error = (
+                f"EpisodeTimeout: episode exceeded {cfg.episode_timeout}s"
+                if timer.expired()
+                else f"{type(exc).__name__}: {exc}"
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            stop_reason = stop_reason or "error"
+            error = f"{type(exc).__name__}: {exc}"
+            logger.debug("episode %s failed", episode_id, exc_info=True)
+        finally:
+            if sandbox is not None:
+                await close_shielded(sandbox)
+        if traj is None:
+            traj = build()
+        if error is not None:
+            traj.status, traj.error, traj.stop_reason = "failed", error, stop_reason
+        traj.finished_at = now()
+        if not cfg.keep_messages:
+            traj.messages = []
+        self.stats["episodes"] += 1
+        self.stats["failed"] += error is not None
+        self.stats["turns"] += len(turns)
+        return _Outcome(traj, env, state)
+
+    async def _prompt_ids(self, messages: list[Message]) -> list[int]:
+        tok = self.tokenizer
+        text = tok.render_prompt(messages, tools=self._tool_specs)
+        if len(text) > _LONG_TEXT:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, tok.encode, text
+            )
+        return tok.encode(text)
+
+    async def _turns(
+        self,
+        env: Environment,
+        state: EpisodeState,
+        builder: TrajectoryBuilder,
+        turns: list[Turn],
+        messages: list[Message],
+    ) -> tuple[Status, str]:
+        """The turn loop; returns (status, stop_reason)."""
+        cfg = self.config
+        tok = self.tokenizer
+        format_errors = 0
+        for index in range(env.max_turns):
+            state.turn = index
+            max_tokens = cfg.sampling.max_tokens
+            budget_bound = False
+            if env.max_total_tokens is not None:
+                remaining = env.max_total_tokens - len(builder)
+                if remaining <= 0:
+                    return "truncated", "token_budget"
+                budget_bound = remaining < max_tokens
+                max_tokens = min(max_tokens, remaining)
+            sampling = msgspec.structs.replace(
+                cfg.sampling,
+                seed=(state.seed + index) & 0x7FFF_FFFF_FFFF_FFFF,
+                max_tokens=max_tokens,
+            )
+            request = GenerationRequest(
+                request_id=f"{state.episode_id}-{index}",
+                prompt_ids=builder.token_ids[:],  # a copy: the backend may keep it
+                sampling=sampling,
+                episode_id=state.episode_id,
+                turn_index=index,
+            )
+            gen_start = len(builder)
+            t0 = time.perf_counter()
+            finish = await self._generate(request, builder)
+            t1 = time.perf_counter()
+            sampled = builder.token_ids[gen_start:]
+            ended_eot = bool(sampled) and sampled[-1] == tok.eot_id
+            text = tok.decode(sampled[:-1] if ended_eot else sampled)
+            parsed = self.parser.parse(text, call_id_prefix=f"call_{index}")
+            # With a malformed call the message keeps the raw text: that is what the model saw.
+            content = text if parsed.errors else parsed.content
+            messages.append(
+                Message(role="assistant", content=content, tool_calls=parsed.tool_calls)
+            )
+            turn = Turn(
+                index=index,
+                gen_start=gen_start,
+                gen_end=len(builder),
+                env_end=len(builder),
+                finish_reason=finish,
+                text=parsed.content,
+                tool_calls=parsed.tool_calls,
+                gen_seconds=t1 - t0,
+            )
+            turns.append(turn)
+            if finish == "length":
+                return "truncated", "token_budget" if budget_bound else "length"
+            if finish == "abort":
+                return "failed", "abort"
+            if parsed.tool_calls or parsed.errors:
+                results = await self._run_tools(env, parsed, state)
+                turn.tool_results = results
+                turn.tool_seconds = time.perf_counter() - t1
+                bad = parsed.errors or any(
+                    r.error in ("unknown_tool", "bad_arguments") for r in results
+                )
+                if bad:
+                    turn.format_error = "; ".join(
+                        r.content
+                        for r in results
+                        if r.error in ("parse", "unknown_tool", "bad_arguments")
+                    )
+                format_errors = format_errors + 1 if bad else 0
+                new = [
+                    Message(role="tool", content=r.content, tool_call_id=r.call_id, name=r.name)
+                    for r in results
+                ]
+                if format_errors >= env.max_format_errors:
+                    return "ok", "format_errors"
+            else:
+                format_errors = 0
+                reply = await call_hook(env.env_response, messages, state, executor=self._executor)
+                turn.env_seconds = time.perf_counter() - t1
+                if reply is None:
+                    return "ok", "no_tool_call"
+                new = list(reply)
+            if env.is_done(state):
+                return "ok", "env_done"
+            if index == env.max_turns - 1:
+                return "truncated", "max_turns"
+            cont = tok.continuation_ids(new, ended_with_eot=ended_eot)
+            if (
+                env.max_total_tokens is not None
+                and len(builder) + len(cont) >= env.max_total_tokens
+            ):
+                return "truncated", "token_budget"  # no room left to generate after the reply
+            builder.add_context(cont)
+            messages.extend(new)
+            turn.env_end = len(builder)
+        return "truncated", "max_turns"  # max_turns == 0
+
+    async def _generate(
+        self, request: GenerationRequest, builder: TrajectoryBuilder
+    ) -> FinishReason:
+        finish: FinishReason | None = None
+        timeout = self.config.generation_timeout
+        cm = asyncio.timeout(timeout) if timeout is not None else contextlib.nullcontext()
+        try:
+            async with cm:
+                async for chunk in self.backend.generate(request):
+                    builder.add_sampled(
+                        chunk.token_ids, chunk.logprobs, chunk.policy_version, chunk.kv_version
+                    )
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+        except TimeoutError as exc:
+            if isinstance(cm, asyncio.Timeout) and cm.expired():
+                raise GenerationTimeout(f"generation exceeded {timeout}s") from exc
+            raise
+        if finish is None:
+            raise GenerationTimeout("backend stream ended without a finish_reason")
+        return finish
+
+    async def _run_tools(
+        self, env: Environment, parsed: ParsedOutput, state: EpisodeState
+    ) -> list[ToolResult]:
+        results = [
+            ToolResult(
+                call_id=f"{state.turn}_parse_{i}", name="", content=f"Error: {msg}", error="parse"
+            )
+            for i, msg in enumerate(parsed.errors)
+        ]
+        calls = parsed.tool_calls
+        if len(calls) == 1:
+            results.append(await self._call_tool(env, calls[0], state))
+        elif calls:
+            results.extend(await asyncio.gather(*(self._call_tool(env, c, state) for c in calls)))
+        return results
+
+    async def _call_tool(self, env: Environment, call: ToolCall, state: EpisodeState) -> ToolResult:
+        tool = self._tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self._tools) or "none"
+            return ToolResult(
+                call_id=call.id,
+                name=call.name,
+                error="unknown_tool",
+                content=f"Error: unknown tool {call.name!r}; available tools: {known}",
+            )
+        try:
+            kwargs = tool.validate(call.arguments)
+        except ValueError as exc:
+            return ToolResult(
+                call_id=call.id,
+                name=call.name,
+                error="bad_arguments",
+                content=f"Error: bad arguments for {call.name}: {exc}",
+            )
+        timeout = tool.timeout or env.tool_timeout or self.config.tool_timeout
+        t0 = time.perf_counter()
+        error: str | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                value = await tool.invoke(env, kwargs, state=state, executor=self._executor)
+            content = format_tool_output(value)
+        except TimeoutError:
+            error, content = "timeout", f"Error: tool {call.name} timed out after {timeout}s"
+        except ToolError as exc:
+            error, content = "tool_error", f"Error: {exc}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error, content = "exception", f"Error: {call.name} raised {type(exc).__name__}: {exc}"
+        limit = self.config.max_tool_output_chars
+        if len(content) > limit:
+            half = limit // 2
+            content = f"{content[:half]}\n...[{len(content) - 2 * half} characters elided]...\n{content[-half:]}"
+        return ToolResult(
+            call_id=call.id,
+            name=call.name,
+            content=content,
+            error=error,
+            duration=time.perf_counter() - t0,
+        )
+
+    async def _score(self, env: Environment, state: EpisodeState, traj: Trajectory) -> None:
+        """Set ``traj.rewards`` and ``traj.reward`` from the rubric or ``env.reward``."""
+        if env.rubric is not None:
+            traj.rewards = await env.rubric.score(env, traj, state, self._executor)
+            traj.reward = env.rubric.combine(traj.rewards)
+            return
+        value = await call_hook(env.reward, traj, state, executor=self._executor)
+        if isinstance(value, dict):
+            traj.rewards = {k: float(v) for k, v in value.items()}
+            traj.reward = float(sum(traj.rewards.values()))
+        else:
+            traj.rewards = {"reward": float(value)}
+            traj.reward = float(value)
+
+
+__all__ = ["EpisodeTimeout", "RolloutConfig", "RolloutEngine", "TrajectoryBuilder", "episode_seed"]

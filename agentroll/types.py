@@ -1,0 +1,273 @@
+"""Records that cross process and disk boundaries: msgspec Structs, msgpack and JSON.
+
+Invariants:
+- every record round-trips losslessly through msgpack and JSON (NaN logprobs included);
+- per-token arrays of a Trajectory are numpy arrays of fixed dtype and are encoded as packed
+  little-endian bytes (base64 inside JSON), never element by element;
+- nothing here is pickled and nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+Status = Literal["ok", "truncated", "failed"]
+
+#: dtype of each per-token array of a Trajectory
+TOKEN_ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
+    "token_ids": np.dtype("<i4"),
+    "logprobs": np.dtype("<f4"),
+    "loss_mask": np.dtype("u1"),
+    "policy_version": np.dtype("<i4"),
+    "kv_version": np.dtype("<i4"),
+}
+
+
+def new_id() -> str:
+    """A random, globally unique identifier (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call the model asked for; ``arguments`` is the decoded JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One chat message in OpenAI shape (role system/user/assistant/tool)."""
+
+    role: str
+    content: str = ""
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict a Hugging Face chat template expects."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ToolSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """A tool as the model sees it: name, description and a JSON schema of its arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI function-calling format used by chat templates."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One problem an environment poses; ``data`` is free-form, ``answer`` is for the reward."""
+
+    id: str
+    data: dict[str, Any] = {}
+    answer: Any = None
+
+
+class ExecResult(msgspec.Struct, kw_only=True):
+    """Outcome of a sandboxed command.  A timeout is a result, not an exception."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    truncated: bool = False
+    elided_bytes: int = 0
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class ToolResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a tool call returned to the model; ``error`` names the failure kind if any."""
+
+    call_id: str
+    name: str
+    content: str
+    error: str | None = None  # parse | unknown_tool | bad_arguments | exception | timeout
+    duration: float = 0.0
+
+
+class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model turn.  ``[gen_start, gen_end)`` are the sampled tokens, ``[gen_end, env_end)``
+    the environment's reply rendered after it (tool results or feedback)."""
+
+    index: int
+    gen_start: int
+    gen_end: int
+    env_end: int
+    finish_reason: FinishReason
+    text: str = ""
+    tool_calls: list[ToolCall] = []
+    tool_results: list[ToolResult] = []
+    format_error: str | None = None
+    gen_seconds: float = 0.0
+    tool_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+
+def _empty(name: str) -> Any:
+    return msgspec.field(default_factory=lambda: np.zeros(0, TOKEN_ARRAY_DTYPES[name]))
+
+
+class Trajectory(msgspec.Struct, kw_only=True, eq=False):
+    """A finished episode with per-token provenance.
+
+    Per token: ``token_ids``, ``logprobs`` (NaN where not generated), ``loss_mask`` (1 exactly
+    on sampled tokens), ``policy_version`` and ``kv_version`` (-1 where not generated).
+    ``prompt_len`` is the length of the first rendered prompt.
+    """
+
+    id: str
+    task_id: str
+    group_id: str
+    sample_index: int = 0
+    seed: int = 0
+    env_name: str = ""
+    env_version: str = ""
+    backend: str = ""
+    status: Status = "ok"
+    stop_reason: str = ""
+    error: str | None = None
+    reward: float = 0.0
+    rewards: dict[str, float] = {}
+    prompt_len: int = 0
+    token_ids: np.ndarray = _empty("token_ids")
+    logprobs: np.ndarray = _empty("logprobs")
+    loss_mask: np.ndarray = _empty("loss_mask")
+    policy_version: np.ndarray = _empty("policy_version")
+    kv_version: np.ndarray = _empty("kv_version")
+    turns: list[Turn] = []
+    messages: list[Message] = []
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    metrics: dict[str, float] = {}
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name, dtype in TOKEN_ARRAY_DTYPES.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
+                arr = np.asarray(arr, dtype=dtype)
+                setattr(self, name, arr)
+            if arr.ndim != 1 or len(arr) != n:
+                raise ValueError(
+                    f"Trajectory.{name} has shape {arr.shape}; every per-token array must be "
+                    f"1-D with len(token_ids)={n}"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def duration(self) -> float:
+        return self.finished_at - self.started_at
+
+    def min_policy_version(self) -> int:
+        """Oldest policy version among sampled tokens (-1 if nothing was sampled)."""
+        gen = self.policy_version[self.loss_mask.astype(bool)]
+        return int(gen.min()) if len(gen) else -1
+
+
+# -- wire encoding ---------------------------------------------------------------------------
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.byteorder == ">":
+            obj = obj.astype(obj.dtype.newbyteorder("<"))
+        return {"dtype": obj.dtype.str, "data": np.ascontiguousarray(obj).tobytes()}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is np.ndarray:
+        if not isinstance(obj, dict) or "dtype" not in obj or "data" not in obj:
+            raise ValueError("expected an array object {dtype, data}")
+        data = obj["data"]
+        if isinstance(data, str):  # JSON carries bytes as base64
+            data = base64.b64decode(data)
+        return np.frombuffer(data, dtype=np.dtype(obj["dtype"])).copy()
+    raise NotImplementedError(f"cannot decode {typ!r}")
+
+
+_msgpack_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_json_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+_decoders: dict[tuple[str, Any], Any] = {}
+
+
+def encode_msgpack(obj: Any) -> bytes:
+    """Encode a record (or a list of records) as msgpack."""
+    return _msgpack_encoder.encode(obj)
+
+
+def encode_json(obj: Any) -> bytes:
+    """Encode a record as JSON (arrays as base64 packed bytes, so NaN survives)."""
+    return _json_encoder.encode(obj)
+
+
+def _decoder(fmt: str, typ: Any) -> Any:
+    key = (fmt, typ)
+    dec = _decoders.get(key)
+    if dec is None:
+        mod = msgspec.msgpack if fmt == "msgpack" else msgspec.json
+        dec = _decoders[key] = mod.Decoder(typ, dec_hook=_dec_hook)
+    return dec
+
+
+def decode_msgpack(data: bytes, typ: Any) -> Any:
+    """Decode msgpack ``data`` into ``typ``; raises ``msgspec.ValidationError`` on bad input."""
+    return _decoder("msgpack", typ).decode(data)
+
+
+def decode_json(data: bytes | str, typ: Any) -> Any:
+    """Decode JSON ``data`` into ``typ``; raises ``msgspec.ValidationError`` on bad input."""
+    return _decoder("json", typ).decode(data)
+
+
+def now() -> float:
+    """Wall-clock seconds (one place to patch in tests)."""
+    return time.time()

@@ -1,0 +1,1 @@
+"""Example environments (installed as ``agentroll.environments``); one class per file."""

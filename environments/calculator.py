@@ -1,0 +1,76 @@
+"""Arithmetic problems solved with a ``calc`` tool that runs Python in the sandbox.
+
+Invariants: tasks are a pure function of ``(num_tasks, seed, max_operand)`` and their answers
+come from the safe evaluator (``eval`` runs only inside the sandbox, in ``calc``); a bad
+expression is a ``ToolError`` the model sees; the reward is 1.0 exactly when the last
+``Answer: <number>`` of the final message equals the task's answer, else 0.0.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from agentroll.env import Environment, Rubric, tool
+from agentroll.errors import ConfigError, ToolError
+from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.tools.calculator import evaluate
+from agentroll.types import Task
+
+_ANSWER = re.compile(r"Answer:\s*(-?\d+(?:\.\d+)?)")
+# Runs inside the sandbox, which is the security boundary; no builtins keeps it arithmetic.
+_EVAL = "import sys; print(eval(sys.argv[1], {'__builtins__': {}}, {}))"
+
+
+def exact_answer(completion: str, answer: object) -> float:
+    """1.0 if the last ``Answer: <number>`` in ``completion`` is ``answer``, else 0.0."""
+    found = _ANSWER.findall(completion)
+    return float(bool(found) and found[-1] == str(answer))
+
+
+class Calculator(Environment):
+    """``num_tasks`` expressions like ``37 * 4 - 12`` with integer answers."""
+
+    system_prompt = (
+        "Solve the arithmetic problem. Evaluate expressions with the `calc` tool, then give "
+        "your final answer on its own line in the form `Answer: <number>`."
+    )
+    max_turns = 4
+    sandbox_config = SandboxConfig(timeout=5.0)
+    rubric = Rubric([exact_answer])
+
+    def __init__(self, num_tasks: int = 100, seed: int = 0, max_operand: int = 100) -> None:
+        if num_tasks < 1 or max_operand < 2:
+            raise ConfigError("Calculator needs num_tasks >= 1 and max_operand >= 2")
+        self.num_tasks = num_tasks
+        self.seed = seed
+        self.max_operand = max_operand
+
+    def tasks(self) -> list[Task]:
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(self.num_tasks):
+            terms = [str(rng.randint(1, self.max_operand)) for _ in range(rng.randint(2, 4))]
+            expr = terms[0]
+            for term in terms[1:]:
+                expr += f" {rng.choice('+-*')} {term}"
+            prompt = f"What is {expr}?"
+            out.append(
+                Task(id=f"calc-{self.seed}-{i}", data={"prompt": prompt}, answer=evaluate(expr))
+            )
+        return out
+
+    @tool
+    async def calc(self, expression: str, sandbox: Sandbox) -> str:
+        """Evaluate an arithmetic expression with Python and return the result.
+
+        Args:
+            expression: a Python arithmetic expression, e.g. "(17 + 4) * 3".
+        """
+        result = await sandbox.exec(["python3", "-c", _EVAL, expression])
+        if result.timed_out:
+            raise ToolError(f"evaluating {expression!r} took too long")
+        if not result.ok:
+            lines = result.stderr.strip().splitlines()
+            raise ToolError(lines[-1] if lines else f"python3 exited with {result.exit_code}")
+        return result.stdout.strip()

@@ -1,0 +1,62 @@
+import subprocess
+import sys
+
+import agentroll
+
+EXPECTED = [
+    "AgentrollError",
+    "Backend",
+    "BackendError",
+    "ChatTemplateError",
+    "ChatTokenizer",
+    "ConfigError",
+    "EnvError",
+    "Environment",
+    "EpisodeState",
+    "EpisodeTimeout",
+    "ExecResult",
+    "GenerationChunk",
+    "GenerationRequest",
+    "GenerationTimeout",
+    "HermesToolParser",
+    "Message",
+    "MissingDependencyError",
+    "MockBackend",
+    "MockResponse",
+    "ParsedOutput",
+    "RolloutConfig",
+    "RolloutEngine",
+    "Rubric",
+    "SamplingParams",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "Task",
+    "Tool",
+    "ToolCall",
+    "ToolCallParseError",
+    "ToolError",
+    "ToolResult",
+    "ToolSpec",
+    "Trajectory",
+    "Turn",
+    "decode_json",
+    "decode_msgpack",
+    "encode_json",
+    "encode_msgpack",
+    "load_environment",
+    "open_sandbox",
+    "tool",
+]
+
+
+def test_public_names_are_pinned() -> None:
+    assert agentroll.__all__ == EXPECTED == sorted(EXPECTED)
+    for name in EXPECTED:
+        assert getattr(agentroll, name) is not None
+
+
+def test_import_does_not_load_heavy_dependencies() -> None:
+    code = "import sys, agentroll; print(','.join(m for m in ('torch', 'vllm', 'docker', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,407 @@
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agentroll.backends.base import GenerationChunk, GenerationRequest, SamplingParams
+from agentroll.backends.mock import MockBackend
+from agentroll.chat import ChatTokenizer
+from agentroll.env import Environment, EpisodeState, Rubric, tool
+from agentroll.errors import ConfigError, ToolError
+from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.types import Message, Task, Trajectory
+
+CFG = RolloutConfig(concurrency=8, progress="off", tool_timeout=5.0)
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+class Calc(Environment):
+    system_prompt = "Use the tools."
+    max_turns = 6
+
+    @tool
+    async def add(self, a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+    @tool
+    def boom(self) -> str:
+        """Always fails."""
+        raise RuntimeError("kaput")
+
+    @tool
+    def refuse(self) -> str:
+        """Raises a ToolError."""
+        raise ToolError("not allowed here")
+
+    @tool(timeout=0.2)
+    async def hang(self) -> str:
+        """Never returns."""
+        await asyncio.sleep(3600)
+        return ""
+
+    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+        return 1.0 if "42" in trajectory.messages[-1].content else 0.0
+
+
+def tasks(n: int) -> list[Task]:
+    return [Task(id=f"t{i}", data={"prompt": f"question {i}"}) for i in range(n)]
+
+
+async def run_all(
+    backend: Any, env: Environment, tok: ChatTokenizer, ts: list[Task], cfg: RolloutConfig = CFG
+) -> list[Trajectory]:
+    async with RolloutEngine(backend, env, cfg, tokenizer=tok) as engine:
+        return [t async for t in engine.run(ts)]
+
+
+async def test_token_in_token_out_every_prompt_is_a_prefix(tok: ChatTokenizer) -> None:
+    script = [
+        call("add", '{"a": 40, "b": 2}'),
+        call("add", '{"a": 1, "b": 1}') + call("boom", "{}"),
+        "<tool_call>{bad json</tool_call>",
+        "The answer is 42.",
+    ]
+    backend = MockBackend(script, tokenizer=tok, record=True, chunk_size=3)
+    trajs = await run_all(backend, Calc(), tok, tasks(5))
+    assert len(trajs) == 5
+    by_episode: dict[str, list[GenerationRequest]] = {}
+    for r in backend.requests:
+        by_episode.setdefault(r.episode_id, []).append(r)
+    for t in trajs:
+        assert t.status == "ok", t.error
+        assert t.reward == 1.0 and len(t.turns) == 4
+        ids = t.token_ids.tolist()
+        reqs = by_episode[t.id]
+        assert len(reqs) == 4
+        for r in reqs:
+            assert ids[: len(r.prompt_ids)] == list(r.prompt_ids)
+            assert len(r.prompt_ids) < len(ids)
+        # loss_mask is 1 exactly on sampled tokens, and they are the backend's ids verbatim
+        sampled = np.zeros(len(ids), dtype=bool)
+        for turn, nxt in zip(reqs, [*reqs[1:], None], strict=True):
+            end = len(nxt.prompt_ids) if nxt else len(ids)
+            turn_sampled = backend._ids(turn)
+            start = len(turn.prompt_ids)
+            assert ids[start : start + len(turn_sampled)] == turn_sampled
+            sampled[start : start + len(turn_sampled)] = True
+            assert end >= start + len(turn_sampled)
+        assert (t.loss_mask.astype(bool) == sampled).all()
+        assert np.isnan(t.logprobs[~sampled]).all() and not np.isnan(t.logprobs[sampled]).any()
+        assert (t.policy_version[~sampled] == -1).all() and (t.policy_version[sampled] == 0).all()
+        assert (t.kv_version[~sampled] == -1).all()
+        # the whole trajectory is the chat template's rendering of the conversation
+        text = tok.decode(ids, skip_special_tokens=False)
+        rendered = tok.render(t.messages, tools=Calc().tool_specs)
+        assert (
+            rendered.startswith(text) and rendered[len(text) :] == "\n"
+        )  # template's tail after <|im_end|>
+
+
+async def test_tool_failures_are_shown_to_the_model(tok: ChatTokenizer) -> None:
+    script = [
+        call("nope", "{}")
+        + call("add", '{"a": 1}')
+        + call("add", '{"a": "1", "b": 2}')
+        + call("add", '{"a": 1, "b": 2, "c": 3}'),
+        call("boom", "{}") + call("refuse", "{}") + call("hang", "{}"),
+        "done",
+    ]
+    start = time.monotonic()
+    [t] = await run_all(MockBackend(script, tokenizer=tok), Calc(), tok, tasks(1))
+    assert time.monotonic() - start < 2.0
+    assert t.status == "ok" and t.stop_reason == "no_tool_call"
+    first, second = t.turns[0].tool_results, t.turns[1].tool_results
+    assert [r.error for r in first] == [
+        "unknown_tool",
+        "bad_arguments",
+        "bad_arguments",
+        "bad_arguments",
+    ]
+    assert "available tools" in first[0].content and "`b`" in first[1].content
+    assert (
+        "Expected `int`, got `str`" in first[2].content and "unknown field `c`" in first[3].content
+    )
+    assert [r.error for r in second] == ["exception", "tool_error", "timeout"]
+    assert "kaput" in second[0].content and "not allowed here" in second[1].content
+    tool_text = [m.content for m in t.messages if m.role == "tool"]
+    assert any("timed out" in c for c in tool_text)
+
+
+async def test_consecutive_format_errors_stop_the_episode(tok: ChatTokenizer) -> None:
+    env = Calc()
+    env.max_format_errors = 2
+    [t] = await run_all(MockBackend(["<tool_call>{oops"], tokenizer=tok), env, tok, tasks(1))
+    assert t.stop_reason == "format_errors" and len(t.turns) == 2 and t.status == "ok"
+    assert t.turns[0].format_error
+
+
+async def test_limits_truncate(tok: ChatTokenizer) -> None:
+    loop_forever = [call("add", '{"a": 1, "b": 1}')]
+    [t] = await run_all(MockBackend(loop_forever, tokenizer=tok), Calc(), tok, tasks(1))
+    assert (t.status, t.stop_reason, len(t.turns)) == ("truncated", "max_turns", 6)
+    assert t.token_ids[-1] == tok.eot_id  # ends on the sampled turn, no dangling env text
+    cfg = RolloutConfig(progress="off", sampling=SamplingParams(max_tokens=3))
+    [t] = await run_all(MockBackend(loop_forever, tokenizer=tok), Calc(), tok, tasks(1), cfg)
+    assert (t.status, t.stop_reason) == ("truncated", "length")
+    assert t.turns[0].finish_reason == "length" and t.num_generated == 3
+    env = Calc()
+    env.max_total_tokens = 700
+    [t] = await run_all(MockBackend(loop_forever, tokenizer=tok), env, tok, tasks(1))
+    assert (t.status, t.stop_reason) == ("truncated", "token_budget")
+    assert t.num_tokens == 700  # the last turn was cut by the budget
+
+
+class Broken(Calc):
+    async def reset(self, task: Task, *, seed: int) -> list[Message]:
+        if task.id == "t1":
+            raise ValueError("bad task")
+        return await super().reset(task, seed=seed)
+
+    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+        if state.task.id == "t2":
+            raise KeyError("no answer")
+        return 1.0
+
+
+async def test_failing_hooks_fail_only_their_episode(tok: ChatTokenizer) -> None:
+    trajs = await run_all(MockBackend(["42"], tokenizer=tok), Broken(), tok, tasks(4))
+    by_task = {t.task_id: t for t in trajs}
+    assert by_task["t1"].status == "failed" and "ValueError: bad task" in (
+        by_task["t1"].error or ""
+    )
+    assert by_task["t2"].status == "failed" and "no answer" in (by_task["t2"].error or "")
+    assert by_task["t2"].num_generated > 0  # the work done is kept on the trajectory
+    assert by_task["t0"].status == by_task["t3"].status == "ok"
+
+
+async def test_generation_and_episode_timeouts(tok: ChatTokenizer) -> None:
+    cfg = RolloutConfig(progress="off", generation_timeout=0.05)
+    [t] = await run_all(MockBackend(["x"], tokenizer=tok, latency=5), Calc(), tok, tasks(1), cfg)
+    assert t.status == "failed" and "GenerationTimeout" in (t.error or "")
+    cfg = RolloutConfig(progress="off", episode_timeout=0.3)
+    [t] = await run_all(
+        MockBackend([call("add", '{"a": 1, "b": 1}')], tokenizer=tok, latency=0.1),
+        Calc(),
+        tok,
+        tasks(1),
+        cfg,
+    )
+    assert t.status == "failed" and "EpisodeTimeout" in (t.error or "") and len(t.turns) >= 1
+
+
+async def test_backend_errors_are_data(tok: ChatTokenizer) -> None:
+    class Flaky(MockBackend):
+        calls = 0
+
+        async def generate(self, request: GenerationRequest):  # type: ignore[no-untyped-def,override]
+            self.calls += 1
+            if self.calls == 2:
+                raise RuntimeError("GPU on fire")
+            async for c in super().generate(request):
+                yield c
+
+    backend = Flaky(["42"], tokenizer=tok)
+    trajs = await run_all(backend, Calc(), tok, tasks(3))
+    assert sorted(t.status for t in trajs) == ["failed", "ok", "ok"]
+
+
+async def test_groups_and_group_rewards(tok: ChatTokenizer) -> None:
+    def longest_wins(trajectories: list[Trajectory]) -> list[float]:
+        best = max(t.num_tokens for t in trajectories)
+        return [float(t.num_tokens == best) for t in trajectories]
+
+    def correct(completion: str, answer: Any) -> float:
+        return float(completion == answer)
+
+    class Grouped(Calc):
+        rubric = Rubric([correct], [2.0], group_funcs=[longest_wins], group_weights=[0.5])
+
+    def script(r: GenerationRequest) -> str:
+        return "42" + " 42" * (hash(r.episode_id) % 5)
+
+    cfg = RolloutConfig(progress="off", samples_per_task=4, concurrency=16)
+    ts = [Task(id=f"t{i}", data={"prompt": "q"}, answer="42") for i in range(6)]
+    trajs = await run_all(MockBackend(script, tokenizer=tok), Grouped(), tok, ts, cfg)
+    assert len(trajs) == 24
+    groups: dict[str, list[Trajectory]] = {}
+    for i, t in enumerate(trajs):
+        groups.setdefault(t.group_id, []).append(t)
+        # a group is released together: its members are adjacent in the output
+        assert len(groups[t.group_id]) == (i % 4) + 1
+    for members in groups.values():
+        assert sorted(m.sample_index for m in members) == [0, 1, 2, 3]
+        assert len({m.task_id for m in members}) == 1 and len({m.seed for m in members}) == 4
+        for m in members:
+            assert m.reward == 2.0 * m.rewards["correct"] + 0.5 * m.rewards["longest_wins"]
+        assert sum(m.rewards["longest_wins"] for m in members) >= 1
+
+
+async def test_seeds_are_deterministic_and_requests_are_seeded(tok: ChatTokenizer) -> None:
+    backend = MockBackend(["42"], tokenizer=tok, record=True)
+    a = await run_all(backend, Calc(), tok, tasks(3))
+    b = await run_all(MockBackend(["42"], tokenizer=tok), Calc(), tok, tasks(3))
+    assert sorted(t.seed for t in a) == sorted(t.seed for t in b)
+    assert len({r.sampling.seed for r in backend.requests}) == 3
+
+
+async def test_concurrency_limit_is_respected(tok: ChatTokenizer) -> None:
+    live = peak = 0
+
+    class Counting(Calc):
+        async def reset(self, task: Task, *, seed: int) -> list[Message]:
+            nonlocal live, peak
+            live += 1
+            peak = max(peak, live)
+            return await super().reset(task, seed=seed)
+
+        async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+            nonlocal live
+            live -= 1
+            return 0.0
+
+    cfg = RolloutConfig(progress="off", concurrency=3)
+    trajs = await run_all(
+        MockBackend(["x"], tokenizer=tok, latency=0.01), Counting(), tok, tasks(12), cfg
+    )
+    assert len(trajs) == 12 and peak == 3
+
+
+class Recorder(Sandbox):
+    """A sandbox that records whether it was closed."""
+
+    closed: list[bool] = []
+
+    def __init__(self) -> None:
+        self.config = SandboxConfig()
+        self.idx = len(Recorder.closed)
+        Recorder.closed.append(False)
+
+    async def exec(self, cmd, **kw):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    async def read_file(self, path: str) -> bytes:
+        return b""
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        pass
+
+    async def snapshot(self) -> bytes:
+        return b""
+
+    async def restore(self, blob: bytes) -> None:
+        pass
+
+    async def close(self) -> None:
+        await asyncio.sleep(0.01)  # teardown that needs the loop: must survive cancellation
+        Recorder.closed[self.idx] = True
+
+
+async def test_cancellation_propagates_and_closes_sandboxes(
+    tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Recorder.closed = []
+    monkeypatch.setattr("agentroll.rollout.open_sandbox", lambda cfg: Recorder())
+
+    class Boxed(Calc):
+        sandbox_config = SandboxConfig()
+
+    async def consume() -> None:
+        await run_all(MockBackend(["x"], tokenizer=tok, latency=30), Boxed(), tok, tasks(5))
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    assert len(Recorder.closed) == 5 and not any(Recorder.closed)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert all(Recorder.closed)
+
+
+async def test_breaking_out_of_run_cancels_running_episodes(tok: ChatTokenizer) -> None:
+    backend = MockBackend(["x"], tokenizer=tok, latency=0.01)
+    async with RolloutEngine(
+        backend, Calc(), RolloutConfig(progress="off", concurrency=4), tokenizer=tok
+    ) as engine:
+        async for first in engine.run(tasks(100)):  # noqa: B007 - `first` is used below
+            break  # without aclose(): leaving the engine must still cancel the workers
+    assert first.status == "ok", first.error
+    assert engine.stats["episodes"] < 20
+
+
+def live_members(pgid: int) -> list[int]:
+    """Pids of live (non-zombie) processes in group ``pgid``.  Zombies are dead: they
+    wait for an init that reaps them, which some machines' PID 1 does lazily."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+async def test_tool_hanging_in_sandbox_leaves_no_process(tok: ChatTokenizer, tmp_path: Any) -> None:
+    pidfile = tmp_path / "pid"
+
+    class Sleepy(Environment):
+        sandbox_config = SandboxConfig(use_bwrap=False)
+
+        @tool(timeout=0.3)
+        async def run(self, sandbox: Sandbox) -> str:
+            """Start a process tree that never ends."""
+            res = await sandbox.exec(f"echo $$ > {pidfile}; sleep 1000 & sleep 1000", timeout=100)
+            return res.stdout
+
+    start = time.monotonic()
+    [t] = await run_all(
+        MockBackend([call("run", "{}"), "ok"], tokenizer=tok), Sleepy(), tok, tasks(1)
+    )
+    assert t.turns[0].tool_results[0].error == "timeout"
+    pgid = int(pidfile.read_text())
+    deadline = time.monotonic() + 1.0
+    while live_members(pgid):
+        assert time.monotonic() < deadline, "process group survived the tool timeout"
+        await asyncio.sleep(0.02)
+    assert time.monotonic() - start < 3
+
+
+def test_config_errors_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="concurrency must be >= 1"):
+        RolloutConfig(concurrency=0)
+    with pytest.raises(ConfigError, match="tool_timeout"):
+        RolloutConfig(tool_timeout=-1)
+
+
+async def test_chunk_versions_are_recorded_per_token(tok: ChatTokenizer) -> None:
+    class Versioned(MockBackend):
+        async def generate(self, request):  # type: ignore[no-untyped-def,override]
+            yield GenerationChunk(
+                token_ids=[5, 6], logprobs=[-1.0, -2.0], policy_version=3, kv_version=2
+            )
+            yield GenerationChunk(
+                token_ids=[7, tok.eot_id],
+                logprobs=[-3.0, -4.0],
+                policy_version=4,
+                kv_version=2,
+                finish_reason="stop",
+            )
+
+    [t] = await run_all(Versioned([]), Calc(), tok, tasks(1))
+    gen = t.loss_mask.astype(bool)
+    assert t.policy_version[gen].tolist() == [3, 3, 4, 4]
+    assert t.kv_version[gen].tolist() == [2, 2, 2, 2]
+    assert t.logprobs[gen].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert t.min_policy_version() == 3

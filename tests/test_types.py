@@ -1,0 +1,110 @@
+import math
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from agentroll.types import (
+    Message,
+    ToolCall,
+    ToolResult,
+    Trajectory,
+    Turn,
+    decode_json,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+
+
+def _traj(n: int) -> Trajectory:
+    rng = np.random.default_rng(0)
+    mask = (rng.random(n) > 0.5).astype(np.uint8)
+    lp = np.where(mask == 1, -rng.random(n), np.nan).astype(np.float32)
+    pv = np.where(mask == 1, rng.integers(0, 5, n), -1).astype(np.int32)
+    return Trajectory(
+        id="e1",
+        task_id="t1",
+        group_id="g1",
+        sample_index=3,
+        seed=2**62 + 5,
+        env_name="calc",
+        env_version="1",
+        backend="mock",
+        status="truncated",
+        stop_reason="length",
+        error=None,
+        reward=0.5,
+        rewards={"a": 0.25, "b": 0.25},
+        prompt_len=7,
+        token_ids=rng.integers(0, 150_000, n).astype(np.int32),
+        logprobs=lp,
+        loss_mask=mask,
+        policy_version=pv,
+        kv_version=np.where(mask == 1, pv - 1, -1).astype(np.int32),
+        turns=[
+            Turn(
+                index=0,
+                gen_start=7,
+                gen_end=20,
+                env_end=30,
+                finish_reason="tool_calls",
+                tool_calls=[ToolCall(id="c", name="calc", arguments={"x": [1, {"y": None}]})],
+                tool_results=[ToolResult(call_id="c", name="calc", content="5", error="timeout")],
+            )
+        ],
+        messages=[
+            Message(role="user", content="hi ✓"),
+            Message(role="tool", content="x", tool_call_id="c"),
+        ],
+        metrics={"gen_seconds": 0.1},
+    )
+
+
+def _assert_same(a: Trajectory, b: Trajectory) -> None:
+    for f in a.__struct_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype
+            assert x.tobytes() == y.tobytes(), f  # bit-exact, NaN included
+        else:
+            assert x == y, f
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_trajectory_round_trip_is_lossless(fmt: str) -> None:
+    t = _traj(1000)
+    enc, dec = (encode_msgpack, decode_msgpack) if fmt == "msgpack" else (encode_json, decode_json)
+    back = dec(enc(t), Trajectory)
+    _assert_same(t, back)
+    assert math.isnan(back.logprobs[back.loss_mask == 0][0])
+
+
+def test_32k_trajectory_encodes_as_packed_bytes_fast() -> None:
+    t = _traj(32_768)
+    start = time.perf_counter()
+    for _ in range(20):
+        data = encode_msgpack(t)
+    per_encode = (time.perf_counter() - start) / 20
+    # 5 arrays x 32k x <=4 bytes: packed, not one msgpack item per token
+    assert len(data) < 32_768 * 17 + 4096
+    assert per_encode < 0.01  # a Python loop over 32k tokens x 5 arrays takes far longer
+    _assert_same(t, decode_msgpack(data, Trajectory))
+
+
+def test_arrays_must_have_equal_length() -> None:
+    with pytest.raises(ValueError, match="len\\(token_ids\\)"):
+        Trajectory(id="x", task_id="t", group_id="g", token_ids=[1, 2], logprobs=[0.0])
+
+
+def test_bad_wire_input_is_a_validation_error() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        decode_json(b'{"id": 1}', Trajectory)
+    with pytest.raises((msgspec.ValidationError, ValueError)):
+        decode_json(b'{"id":"a","task_id":"t","group_id":"g","token_ids":[1,2]}', Trajectory)
+
+
+def test_min_policy_version_ignores_prompt_tokens() -> None:
+    t = _traj(100)
+    assert t.min_policy_version() == int(t.policy_version[t.loss_mask == 1].min())

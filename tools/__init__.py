@@ -1,0 +1,1 @@
+"""Reusable tools (installed as ``agentroll.tools``): python exec, shell, files, calculator."""
