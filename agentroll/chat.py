@@ -142,7 +142,9 @@ class ChatTokenizer:
             key=len,
             reverse=True,
         )
-        self._added_ids = {t: self.tokenizer.token_to_id(t) for t in added}
+        self._added_ids: dict[str, int] = {
+            t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()
+        }
         self._split_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._piece_cache: dict[str, list[int]] = {}
         probe = f"Hello  world 12{self.eot_token}\n x  y{self.eot_token}z"

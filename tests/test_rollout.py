@@ -14,6 +14,7 @@ from agentroll.env import Environment, EpisodeState, Rubric, tool
 from agentroll.errors import ConfigError, ToolError
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.testing import FakeSandbox
 from agentroll.types import Message, Task, Trajectory
 
 CFG = RolloutConfig(concurrency=8, progress="off", tool_timeout=5.0)
@@ -275,41 +276,19 @@ async def test_concurrency_limit_is_respected(tok: ChatTokenizer) -> None:
     assert len(trajs) == 12 and peak == 3
 
 
-class Recorder(Sandbox):
-    """A sandbox that records whether it was closed."""
-
-    closed: list[bool] = []
-
-    def __init__(self) -> None:
-        self.config = SandboxConfig()
-        self.idx = len(Recorder.closed)
-        Recorder.closed.append(False)
-
-    async def exec(self, cmd, **kw):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
-
-    async def read_file(self, path: str) -> bytes:
-        return b""
-
-    async def write_file(self, path: str, data: str | bytes) -> None:
-        pass
-
-    async def snapshot(self) -> bytes:
-        return b""
-
-    async def restore(self, blob: bytes) -> None:
-        pass
-
+class SlowClosing(FakeSandbox):
     async def close(self) -> None:
         await asyncio.sleep(0.01)  # teardown that needs the loop: must survive cancellation
-        Recorder.closed[self.idx] = True
+        await super().close()
 
 
 async def test_cancellation_propagates_and_closes_sandboxes(
     tok: ChatTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    Recorder.closed = []
-    monkeypatch.setattr("agentroll.rollout.open_sandbox", lambda cfg: Recorder())
+    boxes: list[SlowClosing] = []
+    monkeypatch.setattr(
+        "agentroll.rollout.open_sandbox", lambda cfg: boxes.append(SlowClosing()) or boxes[-1]
+    )
 
     class Boxed(Calc):
         sandbox_config = SandboxConfig()
@@ -319,11 +298,43 @@ async def test_cancellation_propagates_and_closes_sandboxes(
 
     task = asyncio.create_task(consume())
     await asyncio.sleep(0.1)
-    assert len(Recorder.closed) == 5 and not any(Recorder.closed)
+    assert len(boxes) == 5 and not any(b.closed for b in boxes)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert all(Recorder.closed)
+    assert all(b.closed for b in boxes)
+
+
+async def test_tools_of_one_episode_overlap_generation_of_others(tok: ChatTokenizer) -> None:
+    class Slow(Environment):
+        @tool
+        async def wait(self) -> str:
+            """Takes a while."""
+            await asyncio.sleep(0.2)
+            return "ok"
+
+    backend = MockBackend([call("wait", "{}"), "done"], tokenizer=tok, latency=0.2)
+    start = time.monotonic()
+    trajs = await run_all(
+        backend, Slow(), tok, tasks(8), RolloutConfig(progress="off", concurrency=8)
+    )
+    # each episode: 0.2 gen + 0.2 tool + 0.2 gen; run one after another it would take 4.8 s
+    assert all(t.status == "ok" for t in trajs) and time.monotonic() - start < 1.5
+
+
+async def test_long_tool_output_is_cut_for_the_model(tok: ChatTokenizer) -> None:
+    class Loud(Environment):
+        @tool
+        def shout(self) -> str:
+            """Prints a lot."""
+            return "a" * 10_000 + "END"
+
+    cfg = RolloutConfig(progress="off", max_tool_output_chars=1000)
+    [t] = await run_all(
+        MockBackend([call("shout", "{}"), "ok"], tokenizer=tok), Loud(), tok, tasks(1), cfg
+    )
+    content = t.turns[0].tool_results[0].content
+    assert len(content) < 1100 and content.endswith("END") and "characters elided" in content
 
 
 async def test_breaking_out_of_run_cancels_running_episodes(tok: ChatTokenizer) -> None:

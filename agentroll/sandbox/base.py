@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -98,7 +98,7 @@ class Sandbox(abc.ABC):
     async def close(self) -> None:
         """Kill what still runs and delete the sandbox.  Idempotent."""
 
-    async def __aenter__(self) -> Sandbox:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

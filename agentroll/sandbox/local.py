@@ -213,8 +213,7 @@ class LocalSandbox(Sandbox):
 
     Every command gets the rlimits of ``config`` (a non-positive value leaves that limit
     alone) and an environment of ``PATH``, ``HOME`` (the working directory), ``LANG`` and
-    ``TMPDIR`` plus the ``env`` passed to ``exec``.  ``config.options["ro_binds"]`` names
-    extra host paths to bind read-only (useful only if they are hidden, e.g. under /run).
+    ``TMPDIR`` plus the ``env`` passed to ``exec``.
     """
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
@@ -432,12 +431,8 @@ class LocalSandbox(Sandbox):
 
     def _wrap(self, argv: list[str], workdir: Path, run_dir: Path) -> list[str]:
         if self._is_isolated:
-            binds: list[str] = []
-            for path in self.config.options.get("ro_binds", ()):
-                binds += ["--ro-bind", str(path), str(path)]
             argv = [
                 *_bwrap_base(network=self.config.network),
-                *binds,
                 *("--bind", str(workdir), str(workdir), "--chdir", str(run_dir), "--"),
                 # bwrap exits 1 for a command it cannot find; through sh it is 127 as elsewhere
                 *(argv if argv[0] == "/bin/sh" else ["/bin/sh", "-c", 'exec "$@"', "sh", *argv]),

@@ -1,0 +1,84 @@
+"""Public fakes for users' tests: a scripted backend and an in-memory sandbox.
+
+Invariants: nothing here touches the network, processes or the real clock; fakes record
+what was asked of them so tests can assert on it.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Callable, Mapping
+
+from agentroll.backends.mock import MockBackend, MockResponse
+from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.types import ExecResult
+
+ExecHandler = Callable[[str | list[str]], ExecResult]
+
+
+class FakeSandbox(Sandbox):
+    """Files in a dict; ``exec`` calls ``handler`` (default: exit code 0, no output).
+
+    ``commands`` records every command; ``closed`` tells whether ``close()`` ran.
+    """
+
+    def __init__(
+        self, handler: ExecHandler | None = None, config: SandboxConfig | None = None
+    ) -> None:
+        self.config = config or SandboxConfig()
+        self.handler = handler or (lambda cmd: ExecResult(exit_code=0))
+        self.files: dict[str, bytes] = {}
+        self.commands: list[str | list[str]] = []
+        self.closed = False
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        self.commands.append(cmd)
+        return self.handler(cmd)
+
+    def _check(self, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"path {path!r} escapes the sandbox's working directory")
+        return path
+
+    async def read_file(self, path: str) -> bytes:
+        try:
+            return self.files[self._check(path)]
+        except KeyError:
+            raise FileNotFoundError(path) from None
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        self.files[self._check(path)] = data.encode() if isinstance(data, str) else data
+
+    async def snapshot(self) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, data in sorted(self.files.items()):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    async def restore(self, blob: bytes) -> None:
+        files: dict[str, bytes] = {}
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
+            for member in tar.getmembers():
+                extracted = tar.extractfile(member)
+                if extracted is not None:
+                    files[self._check(member.name)] = extracted.read()
+        self.files = files
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+__all__ = ["FakeSandbox", "MockBackend", "MockResponse"]
