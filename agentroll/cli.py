@@ -1,4 +1,4 @@
-"""Command line: ``agentroll bench | envs``.  Each subcommand maps to one function here;
+"""Command line: ``agentroll bench | validate | envs | model``.  Each subcommand maps to one function here;
 errors from agentroll print one line that says what to do, and exit with status 2."""
 
 from __future__ import annotations
@@ -27,7 +27,28 @@ def _build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--turns", type=int, default=4, help="tool turns per episode")
     ov.add_argument("--concurrency", type=int, default=256)
 
+    eng = bsub.add_parser("engine", help="built-in engine tokens/s vs transformers (and vLLM)")
+    eng.add_argument("--concurrency", type=int, default=32)
+    eng.add_argument("--max-tokens", type=int, default=128)
+    eng.add_argument(
+        "--model", default=None, help="checkpoint dir (default: the tiny model, created if missing)"
+    )
+
+    val = sub.add_parser("validate", help="learning-semantics checks of a backend")
+    val.add_argument("--backend", choices=["torch"], default="torch")
+    val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
+
     sub.add_parser("envs", help="list the built-in environments")
+
+    model = sub.add_parser("model", help="model checkpoints")
+    msub = model.add_subparsers(dest="model", required=True)
+    tiny = msub.add_parser(
+        "create-tiny", help="write the project-made tiny Qwen2 checkpoint (offline)"
+    )
+    tiny.add_argument("dir", help="output directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=128, help="hidden size (heads x 64)")
     return p
 
 
@@ -46,6 +67,32 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(args, name) < 1:
                     raise SystemExit(f"--{name} must be >= 1")
             main_overhead(args.episodes, args.turns, args.concurrency)
+        elif args.command == "bench" and args.bench == "engine":
+            from agentroll.bench_engine import main_engine
+
+            if args.concurrency < 1 or args.max_tokens < 1:
+                raise SystemExit("--concurrency and --max-tokens must be >= 1")
+            main_engine(args.concurrency, args.max_tokens, args.model)
+        elif args.command == "validate":
+            from agentroll.validate import ensure_tiny_model, run_checks
+
+            results = run_checks(ensure_tiny_model(args.model))
+            for r in results:
+                print(r.line(), flush=True)
+            return 0 if all(r.passed for r in results) else 1
+        elif args.command == "model" and args.model == "create-tiny":
+            from agentroll.model.tiny import create_tiny
+
+            if args.hidden % 64 or args.hidden < 64:
+                raise SystemExit("--hidden must be a positive multiple of 64 (head_dim is 64)")
+            out = create_tiny(
+                args.dir,
+                seed=args.seed,
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.hidden // 64,
+            )
+            print(f"wrote {out}")
         elif args.command == "envs":
             import pkgutil
 

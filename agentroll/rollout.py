@@ -26,7 +26,7 @@ import numpy as np
 from agentroll.backends.base import Backend, GenerationRequest, SamplingParams
 from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
 from agentroll.env import Environment, EpisodeState, call_hook, format_tool_output
-from agentroll.errors import ConfigError, EpisodeTimeout, GenerationTimeout, ToolError
+from agentroll.errors import BackendError, ConfigError, EpisodeTimeout, GenerationTimeout, ToolError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.sandbox.base import Sandbox, open_sandbox
 from agentroll.types import (
@@ -120,6 +120,11 @@ class TrajectoryBuilder:
         self.mask.extend(_ONE * n)
         self.policy.extend(array("i", [policy_version]) * n)
         self.kv.extend(array("i", [kv_version]) * n)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens (a backend rolled back part of a turn)."""
+        for arr in (self.token_ids, self.logprobs, self.mask, self.policy, self.kv):
+            del arr[n:]
 
     def fill(self, traj: Trajectory) -> Trajectory:
         """Copy the accumulated arrays into ``traj`` (one vectorised copy per array)."""
@@ -510,6 +515,13 @@ class RolloutEngine:
         try:
             async with cm:
                 async for chunk in self.backend.generate(request):
+                    if chunk.rollback:
+                        keep = len(builder) - chunk.rollback
+                        if keep < len(request.prompt_ids):
+                            raise BackendError(
+                                f"backend rolled back {chunk.rollback} tokens, more than it sampled"
+                            )
+                        builder.truncate(keep)
                     builder.add_sampled(
                         chunk.token_ids, chunk.logprobs, chunk.policy_version, chunk.kv_version
                     )

@@ -5,6 +5,7 @@ sets it): then a skip is turned into a failure, so CI never skips silently."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,11 @@ def pytest_runtest_makereport(item, call):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def tok() -> ChatTokenizer:
     return tiny_chat_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project-made tiny Qwen2 checkpoint, created once per test session."""
+    from agentroll.model.tiny import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("tiny-model"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import msgspec
 
@@ -31,6 +31,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    ignore_eos: bool = False  # keep going past the end-of-sequence token (benchmarks)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,13 +55,16 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 
 
 class GenerationChunk(msgspec.Struct, kw_only=True):
-    """Newly sampled tokens, with provenance.  ``finish_reason`` is set on the last chunk."""
+    """Newly sampled tokens, with provenance.  ``finish_reason`` is set on the last chunk.
+    ``rollback`` > 0 tells the consumer to drop that many previously streamed tokens of this
+    request first (a ``restart`` resume regenerates the turn)."""
 
     token_ids: list[int]
     logprobs: list[float]
     policy_version: int
     kv_version: int
     finish_reason: FinishReason | None = None
+    rollback: int = 0
 
 
 class Backend(abc.ABC):
@@ -103,7 +107,7 @@ class Backend(abc.ABC):
         """Apply a ``WeightUpdate``.  Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot apply weight updates")
 
-    async def __aenter__(self) -> Backend:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

@@ -1,0 +1,138 @@
+"""``agentroll bench engine``: built-in engine throughput vs Hugging Face and vLLM.
+
+All figures come from the same run on the same requests: the built-in engine (default,
+batch-invariant mode, and the fast mode), ``transformers`` one request at a time with a KV
+cache and as one padded batch, and vLLM when it is installed (``nan`` otherwise).  Every
+system generates exactly ``max_tokens`` tokens per request (end-of-sequence ignored), so
+tokens/s compare like with like.  Prints one ``key=value`` result line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentroll.backends.base import GenerationRequest, SamplingParams
+from agentroll.validate import _prompts, ensure_tiny_model
+
+
+def _log(msg: str) -> None:
+    print(f"[bench engine] {msg}", flush=True)
+
+
+async def _ours(
+    model: Path, prompts: list[list[int]], max_tokens: int, batch_invariant: bool
+) -> tuple[float, float]:
+    """(tokens/s, prefix hit rate of a second turn) of the built-in engine."""
+    from agentroll.backends.torch import TorchBackend
+
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(rid: str, prompt: list[int], seed: int) -> list[int]:
+        req = GenerationRequest(
+            request_id=rid, prompt_ids=prompt, sampling=msgspec_replace(params, seed=seed)
+        )
+        out: list[int] = []
+        async for chunk in backend.generate(req):
+            out += chunk.token_ids
+        return out
+
+    async with TorchBackend(
+        model, batch_invariant=batch_invariant, max_num_seqs=max(64, len(prompts))
+    ) as backend:
+        await one("warmup", prompts[0], 0)
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(f"r{i}", p, i) for i, p in enumerate(prompts)))
+        elapsed = time.perf_counter() - start
+        # second turn of each episode: prompt + reply + a new user message
+        bm = backend.engine.scheduler.block_manager
+        q0, h0 = bm.num_prefix_queries, bm.num_prefix_hits
+        tail = backend.tokenizer.encode(
+            "<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        turn2 = [p + o + tail for p, o in zip(prompts, outs, strict=True)]
+        await asyncio.gather(*(one(f"s{i}", p, i) for i, p in enumerate(turn2)))
+        queries, hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
+    tokens = sum(len(o) for o in outs)
+    return tokens / elapsed, hits / queries if queries else math.nan
+
+
+def msgspec_replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)
+
+
+def _hf(model: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -> float:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    kwargs = dict(
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, pad_token_id=pad
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad
+        )  # warm-up
+        start = time.perf_counter()
+        if batched:
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = hf.generate(ids, attention_mask=mask, **kwargs)
+            tokens = (out.shape[1] - width) * len(prompts)
+        else:
+            tokens = 0
+            for p in prompts:
+                out = hf.generate(torch.tensor([p]), **kwargs)
+                tokens += out.shape[1] - len(p)
+        return tokens / (time.perf_counter() - start)
+
+
+def _vllm(model: Path, prompts: list[list[int]], max_tokens: int) -> float:
+    try:
+        import vllm
+    except ImportError:
+        return math.nan
+    llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True)
+    sp = vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    inputs: Any = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs, sp)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(inputs, sp)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start)
+
+
+def main_engine(concurrency: int, max_tokens: int, model_dir: str | None = None) -> None:
+    model = ensure_tiny_model(model_dir)
+    from agentroll.chat import ChatTokenizer
+
+    prompts = _prompts(ChatTokenizer.from_pretrained(model), concurrency)
+    _log(f"model={model} requests={concurrency} max_tokens={max_tokens}")
+    ours, hit_rate = asyncio.run(_ours(model, prompts, max_tokens, batch_invariant=True))
+    _log(f"built-in engine (batch-invariant): {ours:.1f} tokens/s")
+    fast, _ = asyncio.run(_ours(model, prompts, max_tokens, batch_invariant=False))
+    _log(f"built-in engine (fast mode): {fast:.1f} tokens/s")
+    hf_seq = _hf(model, prompts, max_tokens, batched=False)
+    _log(f"transformers one at a time: {hf_seq:.1f} tokens/s")
+    hf_batch = _hf(model, prompts, max_tokens, batched=True)
+    _log(f"transformers batched: {hf_batch:.1f} tokens/s")
+    vllm_tps = _vllm(model, prompts, max_tokens)
+    _log(f"vllm: {vllm_tps:.1f} tokens/s")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"tokens_per_s={ours:.1f} hf_seq_tokens_per_s={hf_seq:.1f} hf_batch_tokens_per_s={hf_batch:.1f} "
+        f"ratio_vs_hf_batch={ours / hf_batch:.2f} vllm_tokens_per_s={vllm_tps:.1f} "
+        f"fast_mode_tokens_per_s={fast:.1f} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f}"
+    )

@@ -1,0 +1,1 @@
+"""The built-in inference engine: pure scheduling and KV bookkeeping, plus the torch runner."""

@@ -1,0 +1,496 @@
+"""The built-in engine's synchronous core: scheduler + model runner + sampler, one step at a
+time, plus pause / snapshot / restore of requests and in-place weight loads.
+
+Invariants: only ``step`` runs the model, and nothing else mutates requests while it runs
+(the async facade calls every method from one place, between steps); a token's
+``policy_version`` is the weights version that computed its logits and its ``kv_version`` the
+oldest version among the KV entries it attended to (``Sequence.min_kv_version``); a request's
+output depends only on its prompt, seed and weights (with ``batch_invariant``), so a request
+paused, snapshotted to disk and restored continues exactly as if never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+
+from agentroll.backends.base import SamplingParams
+from agentroll.chat import ChatTokenizer
+from agentroll.engine.model_runner import ForwardItem, ModelRunner
+from agentroll.engine.sampler import RequestSampler, sample
+from agentroll.engine.scheduler import Scheduler, SchedulerConfig
+from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
+from agentroll.errors import ConfigError
+
+ResumePolicy = Literal["keep", "recompute", "restart"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Static settings of the built-in engine."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_cache_mb
+    kv_cache_mb: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(
+                f"dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"
+            )
+        if self.kv_cache_mb < 1 or self.block_size < 1 or self.max_num_seqs < 1:
+            raise ConfigError("kv_cache_mb, block_size and max_num_seqs must be >= 1")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One sampled token of one request (or, with ``error``, why the request ended)."""
+
+    request_id: str
+    token_id: int | None
+    logprob: float
+    policy_version: int
+    kv_version: int
+    finish_reason: str | None = None  # stop | length | abort
+    error: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Engine-side state of one generation request."""
+
+    seq: Sequence
+    params: SamplingParams
+    seed: int
+    sampler: RequestSampler
+    stop_ids: frozenset[int]
+    initial_rng: torch.Tensor
+    num_prompt_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+
+
+class RequestSnapshot(msgspec.Struct, kw_only=True):
+    """Everything a request needs to continue elsewhere.  Tensors are host copies; ``save``
+    writes the metadata as msgpack and the tensors as safetensors."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    kv_version: int
+    min_kv_version: int
+    params: SamplingParams
+    seed: int
+    logprobs: list[float]
+    block_size: int
+    model_fingerprint: str
+    rng_state: bytes = b""
+    initial_rng: bytes = b""
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``path/meta.msgpack`` and ``path/kv.safetensors`` (atomically: temp + rename)."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        meta = msgspec.structs.replace(self, k=None, v=None)
+        (tmp / "meta.msgpack").write_bytes(msgspec.msgpack.encode(meta, enc_hook=_enc))
+        tensors = {}
+        if self.k is not None and self.v is not None:
+            tensors = {"k": self.k.contiguous(), "v": self.v.contiguous()}
+        save_file(tensors, str(tmp / "kv.safetensors"))
+        if out.exists():
+            for f in out.iterdir():
+                f.unlink()
+            out.rmdir()
+        tmp.rename(out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> RequestSnapshot:
+        """Read a snapshot written by ``save``; raises ``ValueError`` naming what is wrong."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        try:
+            meta = msgspec.msgpack.decode(
+                (p / "meta.msgpack").read_bytes(), type=cls, dec_hook=_dec
+            )
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ValueError(f"snapshot {p} has an unreadable meta.msgpack: {exc}") from exc
+        try:
+            tensors = load_file(str(p / "kv.safetensors"))
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"snapshot {p} has an unreadable kv.safetensors: {exc}") from exc
+        meta.k, meta.v = tensors.get("k"), tensors.get("v")
+        return meta
+
+
+def _enc(obj: object) -> object:
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec(typ: type, obj: object) -> object:
+    raise NotImplementedError(f"cannot decode {typ!r}")
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache.  Not thread-safe: call it from
+    one thread (the async facade does)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").exists():
+            raise ConfigError(
+                f"{model_dir} has no config.json; create one with `agentroll model create-tiny {model_dir}`"
+            )
+        self.tokenizer = ChatTokenizer.from_pretrained(model_dir)
+        dtype = _DTYPES[config.dtype]
+        probe = ModelRunner(
+            model_dir, num_blocks=1, block_size=config.block_size, dtype=dtype, device=config.device
+        )
+        num_blocks = config.num_blocks or max(16, config.kv_cache_mb * 2**20 // probe.block_bytes)
+        self.runner = ModelRunner(
+            probe.model,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=dtype,
+            device=config.device,
+            batch_invariant=config.batch_invariant,
+        )
+        del probe
+        mcfg = self.runner.config
+        # a sequence can never outgrow the KV pool either
+        max_len = min(
+            config.max_model_len or mcfg.max_position,
+            mcfg.max_position,
+            num_blocks * config.block_size,
+        )
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                block_size=config.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_model_len=max_len,
+            )
+        )
+        self.requests: dict[str, Request] = {}
+        self.eos_ids = self._eos_ids(model_dir)
+        self.fingerprint = json.dumps(
+            {
+                "model": str(model_dir.resolve()),
+                "block_size": config.block_size,
+                "dtype": config.dtype,
+            }
+        )
+        self.num_steps = 0
+
+    def _eos_ids(self, model_dir: Path) -> frozenset[int]:
+        ids = {self.tokenizer.eot_id}
+        gen = model_dir / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+        return frozenset(ids)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        ids = frozenset(params.stop_token_ids)
+        return ids if params.ignore_eos else ids | self.eos_ids
+
+    @property
+    def policy_version(self) -> int:
+        return self.scheduler.weights_version
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> None:
+        """Queue a request.  A prompt that can never run (too long for the context or the KV
+        pool) is reported by the next ``step`` as an output with ``error``; a duplicate id
+        raises ``ValueError``."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        vocab = self.runner.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(
+                f"request {request_id!r} has token ids outside the vocabulary [0, {vocab})"
+            )
+        seed = params.seed if seed is None else seed
+        seed = 0 if seed is None else seed
+        seq = Sequence(request_id, list(prompt_ids), max_tokens=params.max_tokens)
+        sampler = RequestSampler(params, seed)
+        req = Request(
+            seq=seq,
+            params=params,
+            seed=seed,
+            sampler=sampler,
+            stop_ids=self._stop_ids(params),
+            initial_rng=sampler.get_state().clone(),
+            num_prompt_tokens=len(prompt_ids),
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks (no-op if unknown)."""
+        self.requests.pop(request_id, None)
+        self.scheduler.abort(request_id)
+
+    # -- stepping --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one scheduler step; returns the tokens sampled (and requests that ended)."""
+        sched = self.scheduler
+        out = sched.schedule()
+        outputs: list[StepOutput] = []
+        for rej in out.rejected:
+            if self.requests.pop(rej.seq.seq_id, None) is not None:
+                outputs.append(
+                    StepOutput(
+                        rej.seq.seq_id, None, math.nan, self.policy_version, -1, "abort", rej.reason
+                    )
+                )
+        if out.is_empty:
+            return outputs
+        self.num_steps += 1
+        items = [
+            ForwardItem(
+                token_ids=s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                start_pos=s.start,
+                block_table=s.seq.block_table,
+                want_logits=s.samples,
+            )
+            for s in out.scheduled
+        ]
+        fwd = self.runner.forward(items)
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
+        sampled: dict[str, int] = {}
+        if sampling:
+            reqs = [self.requests[s.seq.seq_id] for _, s in sampling]
+            logits = torch.stack([fwd.last_logits[i] for i, _ in sampling])
+            tokens, logprobs = sample(logits, [r.sampler for r in reqs])
+            version = self.policy_version
+            for (_, s), req, token, lp in zip(sampling, reqs, tokens, logprobs, strict=True):
+                sampled[s.seq.seq_id] = token
+                req.logprobs.append(lp)
+                outputs.append(StepOutput(s.seq.seq_id, token, lp, version, s.seq.min_kv_version))
+        by_id = {o.request_id: o for o in outputs if o.token_id is not None}
+        for seq in sched.postprocess(out, sampled):
+            self._end(by_id, seq.seq_id, "length")
+        for seq_id, token in sampled.items():
+            live = self.requests.get(seq_id)
+            if live is not None and (token in live.stop_ids or self._hit_stop_string(live)):
+                sched.finish(seq_id, FinishReason.STOP)
+                self._end(by_id, seq_id, "stop")
+        return outputs
+
+    def _end(self, by_id: dict[str, StepOutput], seq_id: str, reason: str) -> None:
+        self.requests.pop(seq_id, None)
+        if seq_id in by_id:
+            by_id[seq_id].finish_reason = reason
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        stops = req.params.stop
+        if not stops:
+            return False
+        window = max(len(s) for s in stops) + 8  # tokens: at least one char per token
+        tail = self.tokenizer.decode(req.seq.generated_token_ids[-window:])
+        return any(s in tail for s in stops)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probabilities (plain softmax, fp32) of ``token_ids[1:]`` under the current
+        weights, from a fresh prefill: the reference a ``recompute`` resume must match and
+        the prompt logprobs a trainer rescoring needs.  Call between steps."""
+        seq = Sequence(f"__score__{len(self.requests)}", list(token_ids))
+        seq.drop_kv(self.policy_version)
+        bm = self.scheduler.block_manager
+        if not bm.can_allocate(seq, use_prefix_cache=False):
+            raise ValueError(f"not enough free KV blocks to score {len(token_ids)} tokens now")
+        bm.allocate(seq, use_prefix_cache=False)
+        try:
+            item = ForwardItem(
+                token_ids=token_ids,
+                start_pos=0,
+                block_table=seq.block_table,
+                want_logits=False,
+                want_all_logits=True,
+            )
+            logits = self.runner.forward([item]).all_logits[0].float()
+        finally:
+            bm.free(seq)  # never marked computed: nothing enters the prefix cache
+        lp = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(token_ids[1:], dtype=torch.long)
+        return lp[:-1].gather(1, targets[:, None])[:, 0].tolist()
+
+    # -- pause / resume ----------------------------------------------------------------------
+
+    def pause_all(self) -> list[str]:
+        """Take every request out of scheduling, keeping its KV.  Call between steps."""
+        return [s.seq_id for s in self.scheduler.pause_all()]
+
+    def resume_all(self, policy: ResumePolicy = "keep") -> dict[str, int]:
+        """Resume every paused request under ``policy``; returns, per request, how many
+        already-delivered tokens it drops (non-zero only for ``restart``)."""
+        rollback: dict[str, int] = {}
+        for seq_id in list(self.scheduler.paused):
+            req = self.requests[seq_id]
+            if policy == "recompute":
+                self.scheduler.recompute(seq_id)
+            elif policy == "restart":
+                rollback[seq_id] = self._restart(req)
+            self.scheduler.resume(seq_id)
+        return rollback
+
+    def _restart(self, req: Request) -> int:
+        """Drop the generated tokens: the request starts over from its prompt with its
+        initial sampler state (so with unchanged weights it reproduces the same tokens)."""
+        seq = req.seq
+        dropped = seq.num_generated
+        self.scheduler.recompute(seq.seq_id)
+        del seq.token_ids[req.num_prompt_tokens :]
+        req.logprobs.clear()
+        req.sampler.set_state(req.initial_rng.clone())
+        return dropped
+
+    # -- weights -------------------------------------------------------------------------
+
+    def load_weights(
+        self, weights: dict[str, torch.Tensor] | str | Path, *, version: int | None = None
+    ) -> int:
+        """Load new weights in place (full state dict or checkpoint directory) and bump the
+        policy version.  Call only while no step runs (the facade pauses first)."""
+        if isinstance(weights, str | Path):
+            from agentroll.engine.model_runner import _read_dir
+
+            weights = _read_dir(weights, self.runner.dtype)
+        self.runner.load_weights(weights)
+        new = self.policy_version + 1 if version is None else version
+        self.scheduler.set_weights_version(new)
+        return new
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def snapshot(self, request_id: str, *, with_kv: bool = True) -> RequestSnapshot:
+        """The state of a paused (or between-steps) request, as host copies."""
+        req = self.requests[request_id]
+        seq = req.seq
+        n_blocks = seq.num_blocks_needed(self.config.block_size, seq.num_computed_tokens)
+        k = v = None
+        if with_kv and seq.num_computed_tokens:
+            k, v = self.runner.read_blocks(seq.block_table[:n_blocks])
+        return RequestSnapshot(
+            request_id=request_id,
+            token_ids=list(seq.token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_computed_tokens=seq.num_computed_tokens if k is not None else 0,
+            kv_version=seq.kv_version,
+            min_kv_version=seq.min_kv_version,
+            params=req.params,
+            seed=req.seed,
+            logprobs=list(req.logprobs),
+            block_size=self.config.block_size,
+            model_fingerprint=self.fingerprint,
+            rng_state=bytes(req.sampler.get_state().numpy().tobytes()),
+            initial_rng=bytes(req.initial_rng.numpy().tobytes()),
+            k=k,
+            v=v,
+        )
+
+    def restore(self, snap: RequestSnapshot, *, paused: bool = False) -> None:
+        """Continue a snapshotted request here.  Its KV is written back bit-exactly when the
+        engine matches (same model, dtype, block size) and the KV's weights version is not
+        newer than this engine's; otherwise it is recomputed.  Raises ``ValueError`` for an
+        inconsistent snapshot."""
+        if snap.request_id in self.requests:
+            raise ValueError(f"request {snap.request_id!r} is already running here")
+        if not 0 < snap.num_prompt_tokens <= len(snap.token_ids) or snap.num_computed_tokens >= len(
+            snap.token_ids
+        ):
+            raise ValueError(f"snapshot of {snap.request_id!r} has inconsistent token counts")
+        gen = len(snap.token_ids) - snap.num_prompt_tokens
+        if len(snap.logprobs) != gen:
+            raise ValueError(
+                f"snapshot of {snap.request_id!r} has {len(snap.logprobs)} logprobs for {gen} tokens"
+            )
+        sampler = RequestSampler(snap.params, snap.seed)
+        try:
+            sampler.set_state(torch.frombuffer(bytearray(snap.rng_state), dtype=torch.uint8))
+            initial = torch.frombuffer(bytearray(snap.initial_rng), dtype=torch.uint8)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(
+                f"snapshot of {snap.request_id!r} has a corrupt sampler state: {exc}"
+            ) from exc
+        seq = Sequence(
+            snap.request_id,
+            list(snap.token_ids),
+            num_prompt_tokens=len(snap.token_ids) - gen,
+            max_tokens=snap.params.max_tokens,
+            kv_version=snap.kv_version,
+            min_kv_version=snap.min_kv_version,
+        )
+        req = Request(
+            seq=seq,
+            params=snap.params,
+            seed=snap.seed,
+            sampler=sampler,
+            stop_ids=self._stop_ids(snap.params),
+            initial_rng=initial,
+            num_prompt_tokens=snap.num_prompt_tokens,
+            logprobs=list(snap.logprobs),
+        )
+        usable = (
+            snap.k is not None
+            and snap.v is not None
+            and snap.num_computed_tokens > 0
+            and snap.model_fingerprint == self.fingerprint
+            and snap.kv_version <= self.policy_version
+        )
+        if usable:
+            assert snap.k is not None and snap.v is not None
+            n_blocks = seq.num_blocks_needed(self.config.block_size, snap.num_computed_tokens)
+            if snap.k.shape[1] != n_blocks or snap.k.shape != snap.v.shape:
+                raise ValueError(
+                    f"snapshot of {snap.request_id!r} has KV for {snap.k.shape[1]} blocks, expected {n_blocks}"
+                )
+            if not self.scheduler.add_with_kv(seq, snap.num_computed_tokens, paused=paused):
+                raise ValueError(
+                    "not enough free KV blocks to restore now; retry when requests finish"
+                )
+            self.runner.write_blocks(seq.block_table[:n_blocks], snap.k, snap.v)
+        else:
+            self.scheduler.add(seq)
+            if paused and seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.pause(seq.seq_id)
+        self.requests[snap.request_id] = req

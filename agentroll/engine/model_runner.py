@@ -1,0 +1,399 @@
+"""Model runner: the only module of the built-in engine that touches torch kernels.
+
+It owns the paged KV cache (per layer, K and V of shape [num_blocks, block_size, kv_heads,
+head_dim]) and runs one forward step over sequences given as plain records: new tokens, the
+number already cached and a block table of ints.  Invariants: K/V of position p live in block
+``block_table[p // block_size]`` at slot ``p % block_size``; logits are fp32; with
+``batch_invariant=True`` a token's logits and K/V depend only on its own sequence's tokens and
+cache -- not on the other sequences of the step, nor on how its prefill was chunked -- because
+every row-wise op runs on fixed-shape tiles and attention runs one query row at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from agentroll.engine.models.decoder import DecoderModel, load_model, read_tensors, rms_norm
+from agentroll.errors import ConfigError
+
+INVARIANT_TILE = 32  # rows per matmul in batch-invariant mode (fp32 MKL differs for M=1, 2-3, >=4)
+_ELEMENTWISE_GRAIN = 32768  # torch's CPU grain: smaller elementwise calls run on one thread
+_VECTOR_ALIGN = 64  # elements; keeps every activation in the vectorised body, not the scalar tail
+_ROPE_CHUNK = 1024  # RoPE tables are computed in fixed chunks so values never depend on history
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardItem:
+    """One sequence in a step: the new tokens occupy positions start_pos .. start_pos+len-1."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    want_logits: bool = True  # logits of the last new token
+    want_all_logits: bool = False  # logits of every new token (prompt logprobs, rescoring)
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """fp32 logits keyed by item index: [vocab] for the last token, [n_new, vocab] for all."""
+
+    last_logits: dict[int, Tensor] = field(default_factory=dict)
+    all_logits: dict[int, Tensor] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Plan:
+    token_ids: Tensor
+    positions: Tensor
+    slots: Tensor
+    offsets: list[int]
+    items: Sequence[ForwardItem]
+
+
+class ModelRunner:
+    """A decoder plus its paged KV cache; ``forward`` runs one continuous-batching step.
+
+    Not thread-safe: one step at a time.  ``num_blocks * block_size`` bounds the cached tokens.
+    """
+
+    def __init__(
+        self,
+        model_dir_or_model: str | Path | DecoderModel,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        batch_invariant: bool = False,
+        invariant_tile: int = INVARIANT_TILE,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or invariant_tile < 1:
+            raise ConfigError("num_blocks, block_size and invariant_tile must be >= 1")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if isinstance(model_dir_or_model, DecoderModel):
+            self.model = model_dir_or_model.to(device=self.device, dtype=dtype).eval()
+        else:
+            self.model = load_model(model_dir_or_model, dtype=dtype, device=self.device)
+        self.config = cfg = self.model.config
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.batch_invariant, self.invariant_tile = batch_invariant, invariant_tile
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache, self.v_cache = (
+            [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
+            for _ in "kv"
+        )
+        self._block_offsets = torch.arange(block_size, device=self.device)
+        dim = cfg.head_dim
+        self._inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        )
+        self._cos = torch.empty(0, dim, device=self.device)
+        self._sin = torch.empty(0, dim, device=self.device)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V that one block holds over all layers."""
+        k = self.k_cache[0]
+        return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
+
+    # -- forward ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem]) -> ForwardOutput:
+        """Compute the new tokens of every item, store their K/V, return requested logits.
+
+        Raises ValueError naming the item when a token id, position or block table is invalid;
+        nothing is written to the cache then.
+        """
+        out = ForwardOutput()
+        if not items:
+            return out
+        plan = self._plan(items)
+        ops: _FastOps = (_InvariantOps if self.batch_invariant else _FastOps)(self, plan)
+        cos, sin = self._rope(plan.positions)
+        hidden = self.model(plan.token_ids, cos, sin, ops)
+        rows: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}  # item -> (first row in logits, number of rows)
+        for i, item in enumerate(items):
+            end = plan.offsets[i] + len(item.token_ids)
+            if item.want_all_logits or item.want_logits:
+                first = plan.offsets[i] if item.want_all_logits else end - 1
+                spans[i] = (len(rows), end - first)
+                rows.extend(range(first, end))
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=self.device)
+        logits = self.model.logits(hidden.index_select(0, index), ops).float()
+        for i, (at, n) in spans.items():
+            if items[i].want_all_logits:
+                out.all_logits[i] = logits[at : at + n]
+            if items[i].want_logits:
+                out.last_logits[i] = logits[at + n - 1]
+        return out
+
+    def _plan(self, items: Sequence[ForwardItem]) -> _Plan:
+        bs, vocab, limit = self.block_size, self.config.vocab_size, self.config.max_position
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []
+        for i, item in enumerate(items):
+            ids, start, table = item.token_ids, item.start_pos, item.block_table
+            end = start + len(ids)
+            if not ids or start < 0:
+                raise ValueError(f"item {i}: needs >= 1 new token and start_pos >= 0")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"item {i}: token id outside [0, {vocab})")
+            if end > limit:
+                raise ValueError(f"item {i}: position {end - 1} exceeds the model context {limit}")
+            if len(table) * bs < end:
+                raise ValueError(
+                    f"item {i}: block table covers {len(table) * bs} < {end} positions"
+                )
+            if min(table) < 0 or max(table) >= self.num_blocks:
+                raise ValueError(f"item {i}: block id outside [0, {self.num_blocks})")
+            offsets.append(len(tokens))
+            tokens.extend(ids)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if len(set(slots)) != len(slots):
+            raise ValueError("two new tokens of this step map to the same KV slot")
+        dev = self.device
+        return _Plan(
+            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            offsets=offsets,
+            items=items,
+        )
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        need = int(positions.max()) + 1
+        while self._cos.shape[0] < need:
+            start = self._cos.shape[0]
+            pos = torch.arange(start, start + _ROPE_CHUNK, dtype=torch.float)
+            freqs = pos[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1).to(self.device)
+            self._cos = torch.cat((self._cos, emb.cos()))
+            self._sin = torch.cat((self._sin, emb.sin()))
+        cos = self._cos.index_select(0, positions).to(self.dtype).unsqueeze(1)
+        return cos, self._sin.index_select(0, positions).to(self.dtype).unsqueeze(1)
+
+    def _gather_index(self, table: Sequence[int], length: int) -> Tensor:
+        """Cache slots of positions 0..length-1 of one sequence."""
+        nb = -(-length // self.block_size)
+        blocks = torch.tensor(table[:nb], dtype=torch.long, device=self.device)
+        return (blocks[:, None] * self.block_size + self._block_offsets).reshape(-1)[:length]
+
+    # -- KV snapshots and weights ----------------------------------------------------------
+
+    def _block_index(self, block_ids: Sequence[int]) -> Tensor:
+        ids = list(block_ids)
+        if any(b < 0 or b >= self.num_blocks for b in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"block ids must be distinct and in [0, {self.num_blocks})")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Host copies of K and V of these blocks: each [layers, n, block_size, kv_heads, hd]."""
+        idx = self._block_index(block_ids)
+        k = torch.stack([c.index_select(0, idx) for c in self.k_cache]).cpu()
+        return k, torch.stack([c.index_select(0, idx) for c in self.v_cache]).cpu()
+
+    def write_blocks(self, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
+        """Restore blocks from :meth:`read_blocks` output, bit-exactly (dtype must match)."""
+        idx = self._block_index(block_ids)
+        want = (len(self.k_cache), len(idx), *self.k_cache[0].shape[1:])
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want or t.dtype != self.dtype:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.dtype}"
+                )
+        for layer in range(len(self.k_cache)):
+            self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))
+            self.v_cache[layer].index_copy_(0, idx, v[layer].to(self.device))
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The live weights under checkpoint names (aliases, not copies)."""
+        return {name: p.detach() for name, p in self.model.named_weights().items()}
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Mapping[str, Tensor] | str | Path, *, strict: bool = False
+    ) -> None:
+        """Copy tensors into the live parameters in place, all or nothing.
+
+        A mapping must match names, shapes and dtypes exactly (a subset is a partial update
+        unless ``strict``); a checkpoint directory is read like at load time and cast to the
+        runner's dtype.  Raises ConfigError naming the first offending tensor; on error no
+        weight has changed.  Call it between steps (the engine pauses first).
+        """
+        if isinstance(weights, str | Path):
+            weights = read_tensors(weights, dtype=self.dtype)
+        params = self.model.named_weights()
+        aliases = (
+            {"lm_head.weight": "model.embed_tokens.weight"} if self.model.lm_head is None else {}
+        )
+        plan: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, tensor in weights.items():
+            canonical = aliases.get(name, name)
+            target = params.get(canonical)
+            if target is None or canonical in plan:
+                why = "is given twice (tied)" if target is not None else "is unknown to this model"
+                raise ConfigError(f"load_weights: tensor {name!r} {why}")
+            if tensor.shape != target.shape:
+                raise ConfigError(
+                    f"load_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model has {tuple(target.shape)}"
+                )
+            if tensor.dtype != target.dtype:
+                raise ConfigError(
+                    f"load_weights: tensor {name!r} is {tensor.dtype}, the model runs in "
+                    f"{target.dtype}; convert it first (a silent cast would break checksums)"
+                )
+            plan[canonical] = (target, tensor)
+        missing = sorted(set(params) - set(plan))
+        if strict and missing:
+            raise ConfigError(f"load_weights(strict=True): tensor {missing[0]!r} is missing")
+        for target, tensor in plan.values():
+            target.copy_(tensor)
+
+
+def _read_dir(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Deprecated alias of ``read_tensors`` (``load_weights`` also takes a directory)."""
+    return read_tensors(model_dir, dtype=dtype)
+
+
+class _FastOps:
+    """Kernels for throughput: whole-batch matmuls, one padded attention call for decodes."""
+
+    def __init__(self, runner: ModelRunner, plan: _Plan) -> None:
+        self.runner, self.plan = runner, plan
+        dev, bs = runner.device, runner.block_size
+        decodes = [i for i, it in enumerate(plan.items) if len(it.token_ids) == 1]
+        self.prefills: list[tuple[int, int, Tensor, Tensor | None]] = []
+        for i, it in enumerate(plan.items):
+            if len(it.token_ids) > 1:
+                n, start = len(it.token_ids), it.start_pos
+                gather = runner._gather_index(it.block_table, start + n)
+                mask = None
+                if start:
+                    keys = torch.arange(start + n, device=dev)
+                    mask = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
+                self.prefills.append((plan.offsets[i], n, gather, mask))
+        self.decode_rows: Tensor | None = None
+        if decodes:
+            # One padded call for all decodes; keys past a sequence's length are masked out.
+            lengths = torch.tensor([plan.items[i].start_pos + 1 for i in decodes], device=dev)
+            nb = -(-int(lengths.max()) // bs)
+            tables = [list(plan.items[i].block_table[:nb]) for i in decodes]
+            blocks = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=dev)
+            self.decode_gather = (blocks[:, :, None] * bs + runner._block_offsets).flatten(1)
+            keys = torch.arange(nb * bs, device=dev)
+            self.decode_mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
+            self.decode_rows = torch.tensor([plan.offsets[i] for i in decodes], device=dev)
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rms_norm(x, weight, eps)
+
+    def _store(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        kc = self.runner.k_cache[layer].view(-1, *k.shape[1:])
+        vc = self.runner.v_cache[layer].view(-1, *v.shape[1:])
+        kc.index_copy_(0, self.plan.slots, k)
+        vc.index_copy_(0, self.plan.slots, v)
+        return kc, vc
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kc, vc = self._store(layer, k, v)
+        out = torch.empty_like(q)
+        if self.decode_rows is not None:
+            shape = (*self.decode_gather.shape, *kc.shape[1:])
+            keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
+            values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
+            query = q.index_select(0, self.decode_rows).unsqueeze(2)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=self.decode_mask, enable_gqa=True
+            )
+            out.index_copy_(0, self.decode_rows, o.squeeze(2))
+        for off, n, gather, mask in self.prefills:
+            o = F.scaled_dot_product_attention(
+                q[off : off + n].transpose(0, 1).unsqueeze(0),
+                kc.index_select(0, gather).transpose(0, 1).unsqueeze(0),
+                vc.index_select(0, gather).transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            out[off : off + n] = o[0].transpose(0, 1)
+        return out
+
+
+class _InvariantOps(_FastOps):
+    """Kernels whose per-row results do not depend on the batch.
+
+    Measured on this CPU (MKL sgemm): a row of ``x @ W.T`` rounds differently for M=1, M in
+    {2, 3} and M >= 4, and elementwise transcendental ops round differently in the scalar tail
+    than in the vector body.  So matmuls and norms run on fixed tiles of ``invariant_tile`` rows
+    (zero-padded), SiLU on fixed single-threaded chunks padded to the vector width, and each
+    query row attends alone over exactly its own prefix, like a decode step would.
+    """
+
+    def __init__(self, runner: ModelRunner, plan: _Plan) -> None:
+        self.runner, self.plan, self.tile = runner, plan, runner.invariant_tile
+        self.gathers = [
+            runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
+            for it in plan.items
+        ]
+
+    def _tiled(self, fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
+        m = x.shape[0]
+        pad = -m % rows
+        x = torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) if pad else x.contiguous()
+        parts = [fn(x[i : i + rows]) for i in range(0, m + pad, rows)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out[:m] if pad else out
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return self._tiled(lambda t: F.linear(t, weight, bias), x, self.tile)
+
+    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        width = gate.shape[1]
+        pad = -width % _VECTOR_ALIGN
+        rows = max(1, _ELEMENTWISE_GRAIN // (width + pad))
+        act = (lambda t: F.silu(F.pad(t, (0, pad)))[:, :width]) if pad else F.silu
+        return self._tiled(act, gate, rows) * up
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return self._tiled(lambda t: rms_norm(t, weight, eps), flat, self.tile).view(x.shape)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kc, vc = self._store(layer, k, v)
+        queries = q.unsqueeze(2)  # [T, heads, 1, hd]: one query row per call
+        rows: list[Tensor] = []
+        for off, item, gather in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):
+            keys = kc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            values = vc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+            for r in range(len(item.token_ids)):
+                end = item.start_pos + r + 1
+                rows.append(
+                    F.scaled_dot_product_attention(
+                        queries[off + r : off + r + 1],
+                        keys[:, :, :end],
+                        values[:, :, :end],
+                        enable_gqa=True,
+                    )
+                )
+        return torch.cat(rows).squeeze(2)

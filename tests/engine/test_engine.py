@@ -1,0 +1,160 @@
+from pathlib import Path
+
+import pytest
+
+from agentroll.backends.base import SamplingParams
+from agentroll.engine.engine import EngineConfig, LLMEngine, RequestSnapshot
+from agentroll.errors import ConfigError
+
+
+def run(
+    engine: LLMEngine,
+    requests: dict[str, tuple[list[int], SamplingParams]],
+    until: int | None = None,
+) -> dict[str, list]:
+    out: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_work() and (until is None or steps < until):
+        for o in engine.step():
+            out[o.request_id].append(o)
+        steps += 1
+    return out
+
+
+def prompt(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512))
+
+
+P = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+
+
+def test_same_seed_same_output_and_versions(engine: LLMEngine) -> None:
+    a = run(engine, {"a": (prompt(engine, "hi"), P)})["a"]
+    b = run(engine, {"b": (prompt(engine, "hi"), P)})["b"]
+    assert [o.token_id for o in a] == [o.token_id for o in b] and len(a) == 24
+    assert [o.logprob for o in a] == [o.logprob for o in b]
+    assert a[-1].finish_reason == "length" and all(o.policy_version == o.kv_version == 0 for o in a)
+
+
+def test_snapshot_to_disk_and_restore_continues_exactly(engine: LLMEngine, tmp_path: Path) -> None:
+    ref = run(engine, {"r": (prompt(engine, "snapshot me"), P)})["r"]
+    part = run(engine, {"r": (prompt(engine, "snapshot me"), P)}, until=9)["r"]
+    engine.pause_all()
+    engine.snapshot("r").save(tmp_path / "snap")
+    engine.abort("r")
+    engine.restore(RequestSnapshot.load(tmp_path / "snap"))
+    tail: list = []
+    while engine.has_work():
+        tail += engine.step()
+    got = part + tail
+    assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in ref]
+
+
+def test_restart_policy_replays_the_turn(engine: LLMEngine) -> None:
+    ref = run(engine, {"x": (prompt(engine, "restart"), P)})["x"]
+    part = run(engine, {"x": (prompt(engine, "restart"), P)}, until=6)["x"]
+    engine.pause_all()
+    assert engine.resume_all("restart") == {"x": len(part)}
+    again: list = []
+    while engine.has_work():
+        again += engine.step()
+    assert [(o.token_id, o.logprob) for o in again] == [(o.token_id, o.logprob) for o in ref]
+
+
+def test_too_long_prompt_fails_only_that_request(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=64, max_model_len=100))
+    out = run(engine, {"long": ([5] * 150, P), "ok": (prompt(engine, "fine"), P)})
+    assert out["long"][0].error and "context length" in out["long"][0].error
+    assert len(out["ok"]) == 24 and out["ok"][-1].finish_reason == "length"
+
+
+def test_kv_pool_exhaustion_preempts_instead_of_failing(tiny_model: Path) -> None:
+    small = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=12, block_size=16))
+    reqs = {
+        f"r{i}": (
+            prompt(small, f"pressure {i}"),
+            SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True),
+        )
+        for i in range(6)
+    }
+    out = run(small, reqs)
+    assert small.scheduler.num_preemptions > 0
+    assert all(len(v) == 40 and v[-1].finish_reason == "length" for v in out.values())
+    big = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512))
+    ref = run(big, reqs)
+    assert {k: [o.token_id for o in v] for k, v in out.items()} == {
+        k: [o.token_id for o in v] for k, v in ref.items()
+    }
+
+
+def test_corrupt_snapshot_is_refused(engine: LLMEngine, tmp_path: Path) -> None:
+    run(engine, {"c": (prompt(engine, "corrupt"), P)}, until=4)
+    engine.pause_all()
+    engine.snapshot("c").save(tmp_path / "snap")
+    engine.resume_all()
+    (tmp_path / "snap" / "kv.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"kv\.safetensors"):
+        RequestSnapshot.load(tmp_path / "snap")
+    (tmp_path / "snap" / "meta.msgpack").write_bytes(b"\xc1")
+    with pytest.raises(ValueError, match=r"meta\.msgpack"):
+        RequestSnapshot.load(tmp_path / "snap")
+    rest: list = []
+    while engine.has_work():
+        rest += engine.step()
+    assert rest[-1].finish_reason == "length"  # the live request is unaffected
+
+
+def test_stop_tokens_and_strings(engine: LLMEngine) -> None:
+    ref = run(engine, {"s": (prompt(engine, "stops"), P)})["s"]
+    stop_at = ref[5].token_id
+    out = run(
+        engine,
+        {
+            "s": (
+                prompt(engine, "stops"),
+                SamplingParams(
+                    temperature=1.0,
+                    max_tokens=24,
+                    seed=5,
+                    ignore_eos=True,
+                    stop_token_ids=(stop_at,),
+                ),
+            )
+        },
+    )["s"]
+    first = next(i for i, o in enumerate(ref) if o.token_id == stop_at)
+    assert len(out) == first + 1 and out[-1].finish_reason == "stop"
+    text = engine.tokenizer.decode([o.token_id for o in ref[:8]])
+    needle = text[-3:]
+    out = run(
+        engine,
+        {
+            "s": (
+                prompt(engine, "stops"),
+                SamplingParams(
+                    temperature=1.0, max_tokens=24, seed=5, ignore_eos=True, stop=(needle,)
+                ),
+            )
+        },
+    )["s"]
+    assert out[-1].finish_reason == "stop" and len(out) <= 8
+
+
+def test_score_matches_sampling_logprobs(engine: LLMEngine) -> None:
+    p = prompt(engine, "score")
+    out = run(engine, {"z": (p, P)})["z"]
+    ids = p + [o.token_id for o in out]
+    scored = engine.score(ids)[len(p) - 1 :]
+    assert max(abs(a - o.logprob) for a, o in zip(scored, out, strict=True)) < 1e-5
+
+
+def test_missing_model_dir_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="create-tiny"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
