@@ -33,6 +33,9 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--model", default=None, help="checkpoint dir (default: the tiny model, created if missing)"
     )
+    eng.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads for every system measured"
+    )
 
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.concurrency < 1 or args.max_tokens < 1:
                 raise SystemExit("--concurrency and --max-tokens must be >= 1")
-            main_engine(args.concurrency, args.max_tokens, args.model)
+            main_engine(args.concurrency, args.max_tokens, args.model, args.threads)
         elif args.command == "validate":
             from agentroll.validate import ensure_tiny_model, run_checks
 

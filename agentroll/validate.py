@@ -3,7 +3,8 @@
 Each check runs real generations on the project-made tiny model and returns a
 ``CheckResult``; the CLI prints one ``check=<name> status=pass|fail <figures>`` line each.
 Invariants: a check compares against a reference computed in the same run (uninterrupted
-generation, a fresh rescoring, transformers), never against stored numbers.
+generation, a fresh rescoring, transformers), never against stored numbers; the checks run
+the engine in its batch-invariant mode, the mode in which exact parity is promised.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ async def _collect(
 async def check_token_parity_pause(model: Path, n: int = 16, max_tokens: int = 48) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model) as backend:
+    async with TorchBackend(model, batch_invariant=True) as backend:
         prompts = _prompts(backend.tokenizer, n)
         reference = await asyncio.gather(
             *(_collect(backend, _request(i, p, max_tokens)) for i, p in enumerate(prompts))
@@ -136,7 +137,7 @@ import asyncio, sys, msgspec
 from agentroll.engine.engine import LLMEngine, EngineConfig, RequestSnapshot
 from agentroll.backends.base import SamplingParams
 mode, model, snap_dir, out = sys.argv[1:5]
-e = LLMEngine(EngineConfig(model=model))
+e = LLMEngine(EngineConfig(model=model, batch_invariant=True))
 ids, lps = [], []
 if mode == "first":
     prompt = [int(x) for x in sys.argv[5].split(",")]
@@ -160,7 +161,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model)))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True))
     prompt = _prompts(engine.tokenizer, 3)[2]
     engine.add_request(
         "m",
@@ -220,7 +221,7 @@ async def check_recompute_rescore(
 
     results: dict[str, Any] = {}
     for policy in ("recompute", "keep"):
-        async with TorchBackend(model) as backend:
+        async with TorchBackend(model, batch_invariant=True) as backend:
             prompt = _prompts(backend.tokenizer, 2)[1]
             request = _request(0, prompt, max_tokens)
             new_state = _perturbed(backend.engine.runner.state_dict())
@@ -242,7 +243,7 @@ async def check_recompute_rescore(
             ids, lps, versions = await _collect(backend, request, on_token)
             full = list(prompt) + ids
             cut = next(i for i, v in enumerate(versions) if v[0] == 1)
-            rescored = backend.engine.score(full)[len(prompt) + cut - 1 :]
+            rescored = (await backend.score(full))[len(prompt) + cut - 1 :]
             diff = max(abs(a - b) for a, b in zip(lps[cut:], rescored, strict=True))
             results[policy] = (diff, versions, cut)
     diff, versions, cut = results["recompute"]
@@ -266,7 +267,7 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model)))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True))
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     max_diff = 0.0
     same_greedy = True
@@ -301,7 +302,7 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
 async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model) as backend:
+    async with TorchBackend(model, batch_invariant=True) as backend:
         prompts = _prompts(backend.tokenizer, 32)
         alone = await _collect(backend, _request(0, prompts[0], max_tokens))
         together = await asyncio.gather(

@@ -111,6 +111,9 @@ class TorchBackend(Backend):
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                # Let the consumers take their tokens before the next step: run concurrently,
+                # their Python would fight the step's Python for the GIL and slow both.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the engine itself broke: fail every stream
@@ -285,6 +288,12 @@ class TorchBackend(Backend):
         return await loop.run_in_executor(
             self._executor, lambda: self.engine.snapshot(request_id, with_kv=with_kv)
         )
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Logprobs of ``token_ids[1:]`` from a fresh prefill under the current weights, run
+        on the engine's thread (so with the engine's kernels and thread settings)."""
+        loop = asyncio.get_running_loop()
+        return list(await loop.run_in_executor(self._executor, self.engine.score, token_ids))
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (its stream ends with ``finish_reason='abort'``)."""

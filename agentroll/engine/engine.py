@@ -23,7 +23,7 @@ import torch
 from agentroll.backends.base import SamplingParams
 from agentroll.chat import ChatTokenizer
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
-from agentroll.engine.sampler import RequestSampler, sample
+from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
 from agentroll.errors import ConfigError
@@ -45,7 +45,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    batch_invariant: bool = True
+    # True: a request's tokens and logprobs do not depend on the rest of the batch (needed
+    # for bit-exact pause/resume/migrate parity); costs throughput (see `bench engine`).
+    batch_invariant: bool = False
+    # torch intra-op threads (process-wide).  None: 1 for small models on the CPU, where
+    # thread hand-offs cost more than the matmuls they split; torch's default otherwise.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -76,9 +81,7 @@ class Request:
     seq: Sequence
     params: SamplingParams
     seed: int
-    sampler: RequestSampler
     stop_ids: frozenset[int]
-    initial_rng: torch.Tensor
     num_prompt_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
 
@@ -98,8 +101,6 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
     logprobs: list[float]
     block_size: int
     model_fingerprint: str
-    rng_state: bytes = b""
-    initial_rng: bytes = b""
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
 
@@ -165,6 +166,7 @@ class LLMEngine:
             )
         self.tokenizer = ChatTokenizer.from_pretrained(model_dir)
         dtype = _DTYPES[config.dtype]
+        self._set_threads(model_dir)
         probe = ModelRunner(
             model_dir, num_blocks=1, block_size=config.block_size, dtype=dtype, device=config.device
         )
@@ -207,6 +209,14 @@ class LLMEngine:
         )
         self.num_steps = 0
 
+    def _set_threads(self, model_dir: Path) -> None:
+        threads = self.config.num_threads
+        if threads is None and self.config.device == "cpu":
+            hidden = json.loads((model_dir / "config.json").read_text()).get("hidden_size", 0)
+            threads = 1 if hidden <= 1024 else None
+        if threads is not None:
+            torch.set_num_threads(threads)
+
     def _eos_ids(self, model_dir: Path) -> frozenset[int]:
         ids = {self.tokenizer.eot_id}
         gen = model_dir / "generation_config.json"
@@ -248,14 +258,11 @@ class LLMEngine:
         seed = params.seed if seed is None else seed
         seed = 0 if seed is None else seed
         seq = Sequence(request_id, list(prompt_ids), max_tokens=params.max_tokens)
-        sampler = RequestSampler(params, seed)
         req = Request(
             seq=seq,
             params=params,
             seed=seed,
-            sampler=sampler,
             stop_ids=self._stop_ids(params),
-            initial_rng=sampler.get_state().clone(),
             num_prompt_tokens=len(prompt_ids),
         )
         self.requests[request_id] = req
@@ -299,7 +306,13 @@ class LLMEngine:
         if sampling:
             reqs = [self.requests[s.seq.seq_id] for _, s in sampling]
             logits = torch.stack([fwd.last_logits[i] for i, _ in sampling])
-            tokens, logprobs = sample(logits, [r.sampler for r in reqs])
+            # the random number of a token is a function of (seed, step): see sampler.py
+            tokens, logprobs = sample(
+                logits,
+                [r.params for r in reqs],
+                [r.seed for r in reqs],
+                [len(r.logprobs) for r in reqs],
+            )
             version = self.policy_version
             for (_, s), req, token, lp in zip(sampling, reqs, tokens, logprobs, strict=True):
                 sampled[s.seq.seq_id] = token
@@ -375,13 +388,13 @@ class LLMEngine:
 
     def _restart(self, req: Request) -> int:
         """Drop the generated tokens: the request starts over from its prompt with its
-        initial sampler state (so with unchanged weights it reproduces the same tokens)."""
+        sampling randomness, a function of the step (so with unchanged weights it reproduces
+        the same tokens)."""
         seq = req.seq
         dropped = seq.num_generated
         self.scheduler.recompute(seq.seq_id)
         del seq.token_ids[req.num_prompt_tokens :]
         req.logprobs.clear()
-        req.sampler.set_state(req.initial_rng.clone())
         return dropped
 
     # -- weights -------------------------------------------------------------------------
@@ -391,10 +404,6 @@ class LLMEngine:
     ) -> int:
         """Load new weights in place (full state dict or checkpoint directory) and bump the
         policy version.  Call only while no step runs (the facade pauses first)."""
-        if isinstance(weights, str | Path):
-            from agentroll.engine.model_runner import _read_dir
-
-            weights = _read_dir(weights, self.runner.dtype)
         self.runner.load_weights(weights)
         new = self.policy_version + 1 if version is None else version
         self.scheduler.set_weights_version(new)
@@ -422,8 +431,6 @@ class LLMEngine:
             logprobs=list(req.logprobs),
             block_size=self.config.block_size,
             model_fingerprint=self.fingerprint,
-            rng_state=bytes(req.sampler.get_state().numpy().tobytes()),
-            initial_rng=bytes(req.initial_rng.numpy().tobytes()),
             k=k,
             v=v,
         )
@@ -444,14 +451,6 @@ class LLMEngine:
             raise ValueError(
                 f"snapshot of {snap.request_id!r} has {len(snap.logprobs)} logprobs for {gen} tokens"
             )
-        sampler = RequestSampler(snap.params, snap.seed)
-        try:
-            sampler.set_state(torch.frombuffer(bytearray(snap.rng_state), dtype=torch.uint8))
-            initial = torch.frombuffer(bytearray(snap.initial_rng), dtype=torch.uint8)
-        except (RuntimeError, ValueError) as exc:
-            raise ValueError(
-                f"snapshot of {snap.request_id!r} has a corrupt sampler state: {exc}"
-            ) from exc
         seq = Sequence(
             snap.request_id,
             list(snap.token_ids),
@@ -464,9 +463,7 @@ class LLMEngine:
             seq=seq,
             params=snap.params,
             seed=snap.seed,
-            sampler=sampler,
             stop_ids=self._stop_ids(snap.params),
-            initial_rng=initial,
             num_prompt_tokens=snap.num_prompt_tokens,
             logprobs=list(snap.logprobs),
         )

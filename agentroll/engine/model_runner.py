@@ -154,9 +154,7 @@ class ModelRunner:
             if end > limit:
                 raise ValueError(f"item {i}: position {end - 1} exceeds the model context {limit}")
             if len(table) * bs < end:
-                raise ValueError(
-                    f"item {i}: block table covers {len(table) * bs} < {end} positions"
-                )
+                raise ValueError(f"item {i}: block table too short for {end} positions")
             if min(table) < 0 or max(table) >= self.num_blocks:
                 raise ValueError(f"item {i}: block id outside [0, {self.num_blocks})")
             offsets.append(len(tokens))
@@ -236,6 +234,8 @@ class ModelRunner:
         """
         if isinstance(weights, str | Path):
             weights = read_tensors(weights, dtype=self.dtype)
+            if self.model.lm_head is None:  # some tied checkpoints also store the head
+                weights.pop("lm_head.weight", None)
         params = self.model.named_weights()
         aliases = (
             {"lm_head.weight": "model.embed_tokens.weight"} if self.model.lm_head is None else {}
@@ -263,11 +263,6 @@ class ModelRunner:
             raise ConfigError(f"load_weights(strict=True): tensor {missing[0]!r} is missing")
         for target, tensor in plan.values():
             target.copy_(tensor)
-
-
-def _read_dir(model_dir: str | Path, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Deprecated alias of ``read_tensors`` (``load_weights`` also takes a directory)."""
-    return read_tensors(model_dir, dtype=dtype)
 
 
 class _FastOps:

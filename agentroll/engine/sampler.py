@@ -1,44 +1,38 @@
-"""Seeded per-request sampling with exact logprobs.
+"""Seeded, counter-based sampling with exact logprobs.
 
-Invariants: a request's token depends only on its logits row, its ``SamplingParams`` and its
-own ``torch.Generator`` (never on the other rows of the batch); every step consumes the
-same amount of randomness whatever the distribution, so a generator's state after n steps is
-a function of n and the seed alone (snapshots restore it exactly); logprobs are those of the
-distribution actually sampled from (after temperature, top-k and top-p), computed in fp32.
+Invariants: the random number behind the token at generation step ``i`` of a request is a
+pure function of ``(seed, i)`` (splitmix64), so a request's tokens depend only on its
+logits, its ``SamplingParams`` and its seed -- never on the other rows of the batch, and
+nothing but the step count needs saving in a snapshot; sampling is by inverse CDF over the
+filtered distribution, vectorised over rows that share parameters; logprobs are those of the
+distribution actually sampled from (after temperature, top-k and top-p), in fp32.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 from agentroll.backends.base import SamplingParams
 
 _NEG_INF = float("-inf")
+_MASK64 = (1 << 64) - 1
 
 
-class RequestSampler:
-    """The sampling state of one request: its params and its generator (on the CPU, so the
-    stream of random numbers is the same on every device)."""
-
-    __slots__ = ("generator", "params")
-
-    def __init__(self, params: SamplingParams, seed: int) -> None:
-        self.params = params
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-
-    def get_state(self) -> torch.Tensor:
-        """The generator state (a uint8 tensor) for snapshots."""
-        return self.generator.get_state()
-
-    def set_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
+def uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) from ``(seed, step)`` (splitmix64 over the pair)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probabilities (fp32, rows of ``logits``) of the distribution that is sampled from:
-    temperature-scaled, then restricted to the top-k and the top-p nucleus (``-inf``
-    elsewhere).  With temperature 0 it is the plain softmax (greedy picks its argmax)."""
+    """Log-probabilities (fp32, along the last dim) of the distribution that is sampled
+    from: temperature-scaled, then restricted to the top-k and the top-p nucleus (``-inf``
+    elsewhere).  With temperature 0 it is the plain softmax (greedy takes its argmax)."""
     x = logits.float()
     if params.temperature > 0 and params.temperature != 1.0:
         x = x / params.temperature
@@ -57,23 +51,38 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.log_softmax(x, dim=-1)
 
 
-def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> tuple[list[int], list[float]]:
-    """Sample one token per row of ``logits`` ([n, vocab]) with each row's own sampler.
-
-    Uses the exponential race (argmax of p / E with E ~ Exp(1) drawn from the request's
-    generator), which draws exactly ``vocab`` numbers per step.  Returns token ids and
-    their logprobs.
-    """
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    steps: list[int],
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` ([n, vocab]); row ``r`` uses ``params[r]`` and the
+    random number ``uniform(seeds[r], steps[r])``.  Returns token ids and their logprobs."""
     logits = logits.detach().to("cpu", torch.float32)
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    for row, sampler in zip(logits, samplers, strict=True):
-        lp = filtered_logprobs(row, sampler.params)
-        noise = torch.empty_like(lp).exponential_(generator=sampler.generator)
-        if sampler.params.temperature == 0:
-            token = int(torch.argmax(lp))
+    n = logits.shape[0]
+    tokens = [0] * n
+    logprobs = [0.0] * n
+    # rows that filter the same way are sampled together (seeds and limits may differ)
+    groups: dict[tuple[float, float, int], list[int]] = defaultdict(list)
+    for r, p in enumerate(params):
+        groups[(p.temperature, p.top_p, p.top_k)].append(r)
+    for rows in groups.values():
+        p = params[rows[0]]
+        lp = filtered_logprobs(logits[rows], p)
+        if p.temperature == 0:
+            chosen = torch.argmax(lp, dim=-1)
         else:
-            token = int(torch.argmax(lp.exp() / noise))
-        tokens.append(token)
-        logprobs.append(float(lp[token]))
+            cdf = torch.cumsum(lp.exp(), dim=-1)
+            u = torch.tensor([uniform(seeds[r], steps[r]) for r in rows], dtype=torch.float32)
+            target = (u * cdf[:, -1])[:, None]
+            chosen = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=lp.shape[-1] - 1)
+            # rounding at the very top of the CDF must not land on a filtered-out token
+            bad = torch.isinf(lp.gather(1, chosen[:, None]))[:, 0]
+            if bool(bad.any()):
+                chosen[bad] = torch.argmax(lp[bad], dim=-1)
+        picked = lp.gather(1, chosen[:, None])[:, 0]
+        for r, t, v in zip(rows, chosen.tolist(), picked.tolist(), strict=True):
+            tokens[r] = t
+            logprobs[r] = v
     return tokens, logprobs

@@ -76,7 +76,9 @@ def test_too_long_prompt_fails_only_that_request(tiny_model: Path) -> None:
 
 
 def test_kv_pool_exhaustion_preempts_instead_of_failing(tiny_model: Path) -> None:
-    small = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=12, block_size=16))
+    small = LLMEngine(
+        EngineConfig(model=str(tiny_model), num_blocks=12, block_size=16, batch_invariant=True)
+    )
     reqs = {
         f"r{i}": (
             prompt(small, f"pressure {i}"),
@@ -87,7 +89,7 @@ def test_kv_pool_exhaustion_preempts_instead_of_failing(tiny_model: Path) -> Non
     out = run(small, reqs)
     assert small.scheduler.num_preemptions > 0
     assert all(len(v) == 40 and v[-1].finish_reason == "length" for v in out.values())
-    big = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512))
+    big = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512, batch_invariant=True))
     ref = run(big, reqs)
     assert {k: [o.token_id for o in v] for k, v in out.items()} == {
         k: [o.token_id for o in v] for k, v in ref.items()

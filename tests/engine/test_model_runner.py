@@ -154,12 +154,12 @@ def test_read_write_blocks_round_trip_bit_exact(tiny: Path) -> None:
     used = table[: -(-(len(seq) - 1) // 8)]
     k, v = runner.read_blocks(used)
     assert k.shape == (2, len(used), 8, 1, 64) and k.device.type == "cpu"
-    moved = [0, 1, 2, 4, 6, 7, 8][: len(used)] + [10, 13]
-    for target in (runner, ModelRunner(tiny, num_blocks=32, block_size=8)):
+    moved = [0, 1, 2, 4, 6, 7, 8][: len(used)] + [10, 13]  # disjoint from ``table``
+    fresh = ModelRunner(tiny, num_blocks=32, block_size=8)  # as if restored in a new process
+    for target in (runner, fresh):
         target.write_blocks(moved[: len(used)], k, v)
         k2, v2 = target.read_blocks(moved[: len(used)])
         assert torch.equal(k2, k) and torch.equal(v2, v)
-    fresh = target
     tail = []
     for r, t in ((runner, table), (runner, moved), (fresh, moved)):
         s = list(seq)
@@ -313,7 +313,7 @@ def test_bad_items_are_refused_before_any_write(tiny: Path) -> None:
     cases = [
         (ForwardItem([1, 2], 0, [0]), None),
         (ForwardItem([1, 5000], 0, [0]), "token id"),
-        (ForwardItem([1] * 5, 0, [0]), "covers"),
+        (ForwardItem([1] * 5, 0, [0]), "too short"),
         (ForwardItem([1], 0, [7]), "block id"),
         (ForwardItem([], 0, [0]), "new token"),
     ]

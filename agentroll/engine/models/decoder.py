@@ -2,8 +2,8 @@
 
 Parameters carry Hugging Face names, so checkpoints, weight updates and state dicts share one
 naming.  The math is written against :class:`Ops`, supplied by the model runner (linear layers,
-the gated activation and paged attention): this file never chooses kernels nor touches the KV
-cache.  For the same weights and tokens it computes what ``transformers`` computes, up to
+norms, the gated activation, paged attention): this file never chooses kernels nor touches the
+KV cache.  For the same weights and tokens it computes what ``transformers`` computes, up to
 floating-point rounding.  Checkpoint problems raise :class:`ConfigError` naming the file, field
 or tensor; pickled checkpoints are never loaded.
 """
