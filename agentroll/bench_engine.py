@@ -4,7 +4,8 @@ All figures come from the same run on the same requests: the built-in engine (de
 mode, and the batch-invariant mode the parity checks run in), ``transformers`` one request at a time with a KV
 cache and as one padded batch, and vLLM when it is installed (``nan`` otherwise).  Every
 system generates exactly ``max_tokens`` tokens per request (end-of-sequence ignored), so
-tokens/s compare like with like.  Prints one ``key=value`` result line.
+tokens/s compare like with like; figures are medians of ``REPEATS`` timed runs after a
+warm-up.  Prints one ``key=value`` result line.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import math
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import torch
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.validate import _prompts, ensure_tiny_model
+
+REPEATS = 5  # timed repeats per system (after a warm-up); figures are medians
 
 
 def _log(msg: str) -> None:
@@ -47,10 +51,12 @@ async def _ours(
     async with TorchBackend(
         model, batch_invariant=batch_invariant, max_num_seqs=max(64, len(prompts))
     ) as backend:
-        await one("warmup", prompts[0], 0)
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(one(f"r{i}", p, i) for i, p in enumerate(prompts)))
-        elapsed = time.perf_counter() - start
+        await asyncio.gather(*(one(f"w{i}", p, i) for i, p in enumerate(prompts)))  # warm-up
+        rates = []
+        for rep in range(REPEATS):
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(one(f"r{rep}-{i}", p, i) for i, p in enumerate(prompts)))
+            rates.append(sum(len(o) for o in outs) / (time.perf_counter() - start))
         # second turn of each episode: prompt + reply + a new user message
         bm = backend.engine.scheduler.block_manager
         q0, h0 = bm.num_prefix_queries, bm.num_prefix_hits
@@ -60,8 +66,7 @@ async def _ours(
         turn2 = [p + o + tail for p, o in zip(prompts, outs, strict=True)]
         await asyncio.gather(*(one(f"s{i}", p, i) for i, p in enumerate(turn2)))
         queries, hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
-    tokens = sum(len(o) for o in outs)
-    return tokens / elapsed, hits / queries if queries else math.nan
+    return statistics.median(rates), hits / queries if queries else math.nan
 
 
 def msgspec_replace(params: SamplingParams, **changes: Any) -> SamplingParams:
@@ -76,27 +81,28 @@ def _hf(model: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, pad_token_id=pad
     )
-    torch.manual_seed(0)
-    with torch.no_grad():
-        hf.generate(
-            torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad
-        )  # warm-up
-        start = time.perf_counter()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run() -> int:
         if batched:
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
             out = hf.generate(ids, attention_mask=mask, **kwargs)
-            tokens = (out.shape[1] - width) * len(prompts)
-        else:
-            tokens = 0
-            for p in prompts:
-                out = hf.generate(torch.tensor([p]), **kwargs)
-                tokens += out.shape[1] - len(p)
-        return tokens / (time.perf_counter() - start)
+            return int(out.shape[1] - width) * len(prompts)
+        return sum(int(hf.generate(torch.tensor([p]), **kwargs).shape[1]) - len(p) for p in prompts)
+
+    torch.manual_seed(0)
+    rates = []
+    with torch.no_grad():
+        hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, pad_token_id=pad)  # warm-up
+        for _ in range(REPEATS if batched else 1):  # one at a time is slow and steady
+            start = time.perf_counter()
+            tokens = run()
+            rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 def _vllm(model: Path, prompts: list[list[int]], max_tokens: int) -> float:
