@@ -37,6 +37,10 @@ class CheckResult:
         return f"check={self.name} status={'pass' if self.passed else 'fail'} {figs}".rstrip()
 
 
+#: the device every check runs the engine on (``agentroll validate --device``)
+DEVICE = "cpu"
+
+
 def ensure_tiny_model(path: str | Path | None = None) -> Path:
     """The tiny model directory (created on first use)."""
     from agentroll.model.tiny import create_tiny
@@ -90,7 +94,7 @@ async def _collect(
 async def check_token_parity_pause(model: Path, n: int = 16, max_tokens: int = 48) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model, batch_invariant=True) as backend:
+    async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
         prompts = _prompts(backend.tokenizer, n)
         reference = await asyncio.gather(
             *(_collect(backend, _request(i, p, max_tokens)) for i, p in enumerate(prompts))
@@ -136,13 +140,13 @@ _MIGRATE_SCRIPT = """
 import asyncio, sys, msgspec
 from agentroll.engine.engine import LLMEngine, EngineConfig, RequestSnapshot
 from agentroll.backends.base import SamplingParams
-mode, model, snap_dir, out = sys.argv[1:5]
-e = LLMEngine(EngineConfig(model=model, batch_invariant=True))
+mode, model, snap_dir, out, device = sys.argv[1:6]
+e = LLMEngine(EngineConfig(model=model, batch_invariant=True, device=device))
 ids, lps = [], []
 if mode == "first":
-    prompt = [int(x) for x in sys.argv[5].split(",")]
-    e.add_request("m", prompt, SamplingParams(temperature=1.0, max_tokens=int(sys.argv[6]), seed=7, stop_token_ids=()))
-    for _ in range(int(sys.argv[7])):
+    prompt = [int(x) for x in sys.argv[6].split(",")]
+    e.add_request("m", prompt, SamplingParams(temperature=1.0, max_tokens=int(sys.argv[7]), seed=7, stop_token_ids=()))
+    for _ in range(int(sys.argv[8])):
         for o in e.step():
             ids.append(o.token_id); lps.append(o.logprob)
     e.pause_all()
@@ -161,7 +165,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=DEVICE))
     prompt = _prompts(engine.tokenizer, 3)[2]
     engine.add_request(
         "m",
@@ -183,6 +187,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
                 str(model),
                 snap,
                 out1,
+                DEVICE,
                 ",".join(map(str, prompt)),
                 str(max_tokens),
                 str(split),
@@ -190,7 +195,9 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
             check=True,
             capture_output=True,
         )
-        subprocess.run([*base, "second", str(model), snap, out2], check=True, capture_output=True)
+        subprocess.run(
+            [*base, "second", str(model), snap, out2, DEVICE], check=True, capture_output=True
+        )
         a = msgspec.msgpack.decode(Path(out1).read_bytes())
         b = msgspec.msgpack.decode(Path(out2).read_bytes())
     ids, lps = a[0] + b[0], a[1] + b[1]
@@ -221,7 +228,7 @@ async def check_recompute_rescore(
 
     results: dict[str, Any] = {}
     for policy in ("recompute", "keep"):
-        async with TorchBackend(model, batch_invariant=True) as backend:
+        async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
             prompt = _prompts(backend.tokenizer, 2)[1]
             request = _request(0, prompt, max_tokens)
             new_state = _perturbed(backend.engine.runner.state_dict())
@@ -267,7 +274,7 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=DEVICE))
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     max_diff = 0.0
     same_greedy = True
@@ -302,7 +309,7 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
 async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model, batch_invariant=True) as backend:
+    async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
         prompts = _prompts(backend.tokenizer, 32)
         alone = await _collect(backend, _request(0, prompts[0], max_tokens))
         together = await asyncio.gather(
@@ -320,8 +327,10 @@ async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResu
     )
 
 
-def run_checks(model: Path) -> list[CheckResult]:
-    """All checks, in order."""
+def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
+    """All checks, in order, with the engine on ``device``."""
+    global DEVICE
+    DEVICE = device
     out = [
         asyncio.run(check_token_parity_pause(model)),
         check_token_parity_migrate(model),
