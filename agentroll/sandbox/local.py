@@ -10,21 +10,19 @@ at most ``max_output`` bytes (head and tail) however much the command prints; ``
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import logging
 import os
 import resource
 import shutil
 import signal
 import subprocess
-import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from agentroll.errors import SandboxError
+from agentroll.sandbox._files import _TMP_DIRNAME, _make_workdir, _pack, _rmtree, _unpack
+from agentroll.sandbox._process import _ExecProtocol, _kill_spawned, _killpg
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.types import ExecResult
 
@@ -33,7 +31,6 @@ __all__ = ["LocalSandbox", "bwrap_available"]
 log = logging.getLogger("agentroll.sandbox")
 
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
-_TMP_DIRNAME = ".tmp"  # TMPDIR of plain (non-bubblewrap) commands; not part of snapshots
 _KILL_GRACE = 1.0  # seconds to wait for exit and pipe EOF once the group was killed
 _MIB = 1024 * 1024
 _BWRAP_HINT = (
@@ -97,109 +94,6 @@ def _bwrap_base(*, network: bool) -> list[str]:
         if network and resolv.startswith("/run/") and os.path.isfile(resolv):
             args += ["--ro-bind", resolv, resolv]
     return args
-
-
-class _Capture:
-    """Keeps the first and last bytes of a stream in bounded memory and counts the rest."""
-
-    __slots__ = ("_head", "_head_cap", "_tail", "_tail_cap", "total")
-
-    def __init__(self, limit: int) -> None:
-        self._head_cap = limit // 2
-        self._tail_cap = limit - self._head_cap
-        self._head = bytearray()
-        self._tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self._head_cap - len(self._head)
-        if room > 0:
-            self._head += data[:room]
-            data = data[room:]
-        if not data or not self._tail_cap:
-            return
-        if len(data) >= self._tail_cap:
-            self._tail[:] = data[-self._tail_cap :]
-        else:
-            self._tail += data
-            excess = len(self._tail) - self._tail_cap
-            if excess > 0:
-                del self._tail[:excess]
-
-    @property
-    def elided(self) -> int:
-        return self.total - len(self._head) - len(self._tail)
-
-    def text(self) -> str:
-        """UTF-8 text (errors replaced) with a marker where bytes were elided."""
-        if not self.elided:
-            return (self._head + self._tail).decode("utf-8", "replace")
-        # Cut whole characters only, so the seams do not show replacement characters.
-        head_cut = _incomplete_utf8_suffix(self._head)
-        tail_cut = 0
-        while tail_cut < min(3, len(self._tail)) and self._tail[tail_cut] & 0xC0 == 0x80:
-            tail_cut += 1
-        head = self._head[: len(self._head) - head_cut].decode("utf-8", "replace")
-        tail = self._tail[tail_cut:].decode("utf-8", "replace")
-        return f"{head}\n...[elided {self.elided + head_cut + tail_cut} bytes]...\n{tail}"
-
-
-def _incomplete_utf8_suffix(data: bytearray) -> int:
-    """Length of a trailing, incomplete UTF-8 sequence (0 if the data ends on a boundary)."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
-            continue
-        if byte < 0xC0:
-            return 0
-        need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
-        return back if need > back else 0
-    return 0
-
-
-class _ExecProtocol(asyncio.SubprocessProtocol):
-    """Feeds both output pipes into bounded captures; futures for exit and pipe EOF.
-
-    ``Process.wait()`` is not used because it also waits for the pipes to close, which a
-    background child holding stdout can postpone forever.
-    """
-
-    def __init__(self, max_output: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.stdout = _Capture(max_output)
-        self.stderr = _Capture(max_output)
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.drained: asyncio.Future[None] = loop.create_future()
-        self._open_fds = {1, 2}
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        raw = data.encode() if isinstance(data, str) else data
-        (self.stdout if fd == 1 else self.stderr).feed(raw)
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._open_fds.discard(fd)
-        if not self._open_fds and not self.drained.done():
-            self.drained.set_result(None)
-
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
-
-
-def _killpg(pgid: int) -> None:
-    # After a normal exit the leader is already reaped; the group id stays reserved by the
-    # kernel as long as any member lives, so this reaches only our leftovers (or nobody).
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _kill_spawned(spawn: asyncio.Task[tuple[asyncio.SubprocessTransport, _ExecProtocol]]) -> None:
-    """Done-callback of a spawn whose caller was cancelled: kill the group, drop the pipes."""
-    if spawn.cancelled() or spawn.exception() is not None:
-        return
-    transport, _ = spawn.result()
-    _killpg(transport.get_pid())
-    transport.close()
 
 
 class LocalSandbox(Sandbox):
@@ -508,66 +402,3 @@ class LocalSandbox(Sandbox):
                 await asyncio.to_thread(_rmtree, workdir)
             except OSError as exc:
                 raise SandboxError(f"cannot delete sandbox directory {workdir}: {exc}") from exc
-
-
-def _make_workdir(make_tmp: bool) -> Path:
-    workdir = Path(tempfile.mkdtemp(prefix="agentroll-sb-")).resolve()
-    if make_tmp:
-        (workdir / _TMP_DIRNAME).mkdir()
-    return workdir
-
-
-def _pack(workdir: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(os.listdir(workdir)):
-            if name != _TMP_DIRNAME:
-                tar.add(workdir / name, arcname=name)
-    return buf.getvalue()
-
-
-def _unpack(blob: bytes, workdir: Path, make_tmp: bool) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=".agentroll-restore-", dir=workdir.parent))
-    try:
-        try:
-            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-                members = tar.getmembers()
-                for member in members:
-                    parts = PurePosixPath(member.name).parts
-                    if member.name.startswith("/") or ".." in parts:
-                        raise ValueError(f"snapshot member {member.name!r} leaves the directory")
-                # The "data" filter refuses links leaving the directory, devices, and so on.
-                tar.extractall(staging, members=members, filter="data")
-        except tarfile.TarError as exc:
-            raise ValueError(f"not a usable sandbox snapshot: {exc}") from exc
-        _empty(workdir)
-        for entry in os.listdir(staging):
-            os.replace(staging / entry, workdir / entry)
-        if make_tmp:
-            (workdir / _TMP_DIRNAME).mkdir(exist_ok=True)
-    finally:
-        _rmtree(staging)
-
-
-def _empty(directory: Path) -> None:
-    for entry in os.scandir(directory):
-        if entry.is_dir(follow_symlinks=False):
-            _rmtree(Path(entry.path))
-        else:
-            os.unlink(entry.path)
-
-
-def _rmtree(path: Path) -> None:
-    try:
-        shutil.rmtree(path)
-    except FileNotFoundError:
-        return
-    except PermissionError:
-        # A command may leave directories without write or search permission; we own them.
-        os.chmod(path, 0o700)
-        for root, dirs, _ in os.walk(path):
-            for name in dirs:
-                with contextlib.suppress(OSError):
-                    if not os.path.islink(os.path.join(root, name)):
-                        os.chmod(os.path.join(root, name), 0o700)
-        shutil.rmtree(path)

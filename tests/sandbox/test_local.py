@@ -17,8 +17,9 @@ import pytest
 
 from agentroll.errors import SandboxError
 from agentroll.sandbox import local
+from agentroll.sandbox._process import _Capture
 from agentroll.sandbox.base import SandboxConfig
-from agentroll.sandbox.local import LocalSandbox, _Capture, bwrap_available
+from agentroll.sandbox.local import LocalSandbox, bwrap_available
 
 BWRAP_SKIP = pytest.mark.skipif(
     not bwrap_available(), reason="bubblewrap missing or not working: apt-get install bubblewrap"
