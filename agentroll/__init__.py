@@ -14,7 +14,7 @@ from agentroll.backends import (
     SamplingParams,
 )
 from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
-from agentroll.env import Environment, EpisodeState, Rubric, Tool, load_environment, tool
+from agentroll.env import Environment, EpisodeState, Rubric, load_environment
 from agentroll.errors import (
     AgentrollError,
     BackendError,
@@ -30,6 +30,7 @@ from agentroll.errors import (
 )
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
+from agentroll.tool import Tool, tool
 from agentroll.types import (
     ExecResult,
     Message,

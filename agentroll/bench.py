@@ -18,9 +18,10 @@ from typing import Any
 from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.env import Environment, tool
+from agentroll.env import Environment
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.tokenizer import tiny_chat_tokenizer
+from agentroll.tool import tool
 from agentroll.types import Task
 
 

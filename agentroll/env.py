@@ -5,7 +5,7 @@ An ``Environment`` subclass is a short declarative class: ``tasks()``, ``reset()
 episode runs on its own shallow copy of the environment (``spawn()``), so per-episode
 attributes set in ``reset()`` never leak between episodes; data loaded in ``__init__`` is
 shared.  Tool argument schemas come from signatures and docstrings; the parameters
-``sandbox`` and ``state`` are injected by the engine and hidden from the model.
+``sandbox`` and ``state`` are injected by the engine and hidden from the model (see ``agentroll.tool``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-import json
 import pkgutil
 import re
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, TypeVar
@@ -28,10 +26,10 @@ import msgspec
 
 from agentroll.errors import ConfigError
 from agentroll.sandbox.base import Sandbox, SandboxConfig
-from agentroll.types import ExecResult, Message, Task, ToolSpec, Trajectory
+from agentroll.tool import INJECTED, Tool, format_tool_output, tool
+from agentroll.types import Message, Task, ToolSpec, Trajectory
 
 T = TypeVar("T")
-INJECTED = frozenset({"sandbox", "state"})
 
 
 class EpisodeState:
@@ -77,189 +75,6 @@ async def call_hook(
         return await fn(*args, **kwargs)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
-
-
-# -- tools ------------------------------------------------------------------------------
-
-
-_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
-
-
-def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """Split a Google/NumPy-ish docstring into a description and per-argument texts."""
-    if not doc:
-        return "", {}
-    lines = inspect.cleandoc(doc).splitlines()
-    desc: list[str] = []
-    args: dict[str, str] = {}
-    section = "desc"
-    current: str | None = None
-    for line in lines:
-        stripped = line.strip()
-        if stripped.lower() in ("args:", "arguments:", "parameters:", "params:"):
-            section, current = "args", None
-            continue
-        if stripped.lower().rstrip(":") in (
-            "returns",
-            "return",
-            "raises",
-            "yields",
-            "example",
-            "examples",
-        ):
-            section = "other"
-            continue
-        if section == "desc":
-            desc.append(line)
-        elif section == "args":
-            m = _ARG_LINE.match(line)
-            if m and not line.startswith(" " * 8):
-                current = m.group(1).lstrip("*")
-                args[current] = m.group(2).strip()
-            elif current and stripped:
-                args[current] = f"{args[current]} {stripped}".strip()
-    return " ".join(" ".join(desc).split()), args
-
-
-class Tool:
-    """A function the model can call.  Build with the ``@tool`` decorator."""
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        name: str | None = None,
-        description: str | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        self.fn = fn
-        self.name = name or fn.__name__
-        self.timeout = timeout
-        sig = inspect.signature(fn)
-        try:
-            hints = typing.get_type_hints(fn)
-        except Exception as exc:
-            raise ConfigError(f"tool {self.name!r}: cannot resolve type hints ({exc})") from exc
-        params = list(sig.parameters.values())
-        self.is_method = bool(params) and params[0].name == "self"
-        if self.is_method:
-            params = params[1:]
-        doc_desc, doc_args = _parse_docstring(fn.__doc__)
-        self.injected: tuple[str, ...] = tuple(p.name for p in params if p.name in INJECTED)
-        fields: list[Any] = []
-        for p in params:
-            if p.name in INJECTED:
-                continue
-            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise ConfigError(
-                    f"tool {self.name!r}: *args/**kwargs cannot be described to a model"
-                )
-            ann = hints.get(p.name, Any)
-            if p.default is inspect.Parameter.empty:
-                fields.append((p.name, ann))
-            else:
-                fields.append((p.name, ann, p.default))
-        self.arg_names = tuple(f[0] for f in fields)
-        self.args_type = msgspec.defstruct(
-            f"{self.name}_arguments", fields, kw_only=True, forbid_unknown_fields=True
-        )
-        self.is_async = inspect.iscoroutinefunction(fn)
-        schema = msgspec.json.schema(self.args_type)
-        defs = schema.pop("$defs", {})
-        params_schema = defs.pop(self.args_type.__name__)
-        params_schema.pop("title", None)
-        params_schema.setdefault("properties", {})
-        params_schema.setdefault("required", [])
-        for arg, text in doc_args.items():
-            if arg in params_schema["properties"]:
-                params_schema["properties"][arg]["description"] = text
-        if defs:
-            params_schema["$defs"] = defs
-        self.spec = ToolSpec(
-            name=self.name,
-            description=description if description is not None else doc_desc,
-            parameters=params_schema,
-        )
-
-    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Check ``arguments`` against the signature; raises ``ValueError`` with a message
-        meant for the model."""
-        try:
-            obj = msgspec.convert(arguments, self.args_type, strict=True)
-        except msgspec.ValidationError as exc:
-            raise ValueError(str(exc).replace("$.", "")) from None
-        return {n: getattr(obj, n) for n in self.arg_names}
-
-    async def invoke(
-        self,
-        owner: Any,
-        kwargs: dict[str, Any],
-        *,
-        state: EpisodeState | None = None,
-        executor: Executor | None = None,
-    ) -> Any:
-        """Run the tool with validated ``kwargs`` (+ injected parameters)."""
-        for n in self.injected:
-            kwargs[n] = state if n == "state" else (state.sandbox if state else None)
-        fn = functools.partial(self.fn, owner) if self.is_method else self.fn
-        if self.is_async:
-            return await fn(**kwargs)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, functools.partial(fn, **kwargs))
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        # Accessed on an instance, a tool method still calls like a method.
-        if obj is None:
-            return self
-        return functools.partial(self.fn, obj) if self.is_method else self.fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"Tool({self.name!r})"
-
-
-def tool(
-    fn: Callable[..., Any] | None = None,
-    *,
-    name: str | None = None,
-    description: str | None = None,
-    timeout: float | None = None,
-) -> Any:
-    """Mark a function or method as a tool: ``@tool`` or ``@tool(timeout=5)``.
-
-    The JSON schema of its arguments comes from the type hints; argument descriptions come
-    from an ``Args:`` docstring section.  Parameters named ``sandbox`` and ``state`` are
-    injected by the engine and hidden from the schema.  Raise ``ToolError`` to return a
-    message to the model; any other exception is also reported to the model.
-    """
-
-    def wrap(f: Callable[..., Any]) -> Tool:
-        return Tool(f, name=name, description=description, timeout=timeout)
-
-    return wrap(fn) if fn is not None else wrap
-
-
-def format_tool_output(value: Any) -> str:
-    """How a tool's return value is shown to the model."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, ExecResult):
-        parts = [value.stdout]
-        if value.stderr:
-            parts.append(f"[stderr]\n{value.stderr}")
-        if value.timed_out:
-            parts.append(f"[timed out after {value.duration:.1f}s]")
-        elif value.exit_code != 0:
-            parts.append(f"[exit code {value.exit_code}]")
-        return "\n".join(p for p in parts if p) or "(no output)"
-    if value is None:
-        return ""
-    try:
-        return json.dumps(msgspec.to_builtins(value), ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 # -- rewards --------------------------------------------------------------------------------
@@ -515,3 +330,17 @@ def environment_class(name: str) -> type[Environment]:
 def load_environment(name: str, **kwargs: Any) -> Environment:
     """Instantiate the environment called ``name`` with ``kwargs``."""
     return environment_class(name)(**kwargs)
+
+
+__all__ = [
+    "INJECTED",
+    "Environment",
+    "EpisodeState",
+    "Rubric",
+    "Tool",
+    "call_hook",
+    "environment_class",
+    "format_tool_output",
+    "load_environment",
+    "tool",
+]

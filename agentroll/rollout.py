@@ -13,22 +13,21 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import time
-from array import array
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from agentroll.backends.base import Backend, GenerationRequest, SamplingParams
 from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
-from agentroll.env import Environment, EpisodeState, call_hook, format_tool_output
-from agentroll.errors import BackendError, ConfigError, EpisodeTimeout, GenerationTimeout, ToolError
+from agentroll.env import Environment, EpisodeState, call_hook
+from agentroll.errors import BackendError, ConfigError, GenerationTimeout
 from agentroll.progress import Progress, ProgressMode
 from agentroll.sandbox.base import Sandbox, open_sandbox
+from agentroll.tool import call_tool
+from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import (
     FinishReason,
     Message,
@@ -43,10 +42,6 @@ from agentroll.types import (
 )
 
 logger = logging.getLogger("agentroll.rollout")
-_NAN = array("f", [math.nan])
-_MINUS1 = array("i", [-1])
-_ZERO = array("B", [0])
-_ONE = array("B", [1])
 _LONG_TEXT = 64 * 1024  # render/tokenize texts longer than this off the event loop
 
 
@@ -83,57 +78,6 @@ def episode_seed(base: int, task_id: str, sample_index: int) -> int:
     """Deterministic 63-bit seed of one episode."""
     digest = hashlib.blake2b(f"{base}:{task_id}:{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-class TrajectoryBuilder:
-    """Accumulates per-token arrays without per-token Python work."""
-
-    __slots__ = ("kv", "logprobs", "mask", "policy", "token_ids")
-
-    def __init__(self) -> None:
-        self.token_ids = array("i")
-        self.logprobs = array("f")
-        self.mask = array("B")
-        self.policy = array("i")
-        self.kv = array("i")
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def add_context(self, ids: list[int]) -> None:
-        """Prompt or environment tokens: not trained on, no provenance."""
-        n = len(ids)
-        self.token_ids.extend(ids)
-        self.logprobs.extend(_NAN * n)
-        self.mask.extend(_ZERO * n)
-        self.policy.extend(_MINUS1 * n)
-        self.kv.extend(_MINUS1 * n)
-
-    def add_sampled(
-        self, ids: list[int], logprobs: list[float], policy_version: int, kv_version: int
-    ) -> None:
-        n = len(ids)
-        if len(logprobs) != n:
-            raise ValueError(f"backend returned {n} tokens but {len(logprobs)} logprobs")
-        self.token_ids.extend(ids)
-        self.logprobs.extend(logprobs)
-        self.mask.extend(_ONE * n)
-        self.policy.extend(array("i", [policy_version]) * n)
-        self.kv.extend(array("i", [kv_version]) * n)
-
-    def truncate(self, n: int) -> None:
-        """Keep the first ``n`` tokens (a backend rolled back part of a turn)."""
-        for arr in (self.token_ids, self.logprobs, self.mask, self.policy, self.kv):
-            del arr[n:]
-
-    def fill(self, traj: Trajectory) -> Trajectory:
-        """Copy the accumulated arrays into ``traj`` (one vectorised copy per array)."""
-        traj.token_ids = np.frombuffer(self.token_ids, dtype=np.int32).copy()
-        traj.logprobs = np.frombuffer(self.logprobs, dtype=np.float32).copy()
-        traj.loss_mask = np.frombuffer(self.mask, dtype=np.uint8).copy()
-        traj.policy_version = np.frombuffer(self.policy, dtype=np.int32).copy()
-        traj.kv_version = np.frombuffer(self.kv, dtype=np.int32).copy()
-        return traj
 
 
 async def close_shielded(sandbox: Sandbox) -> None:
@@ -545,57 +489,16 @@ class RolloutEngine:
             for i, msg in enumerate(parsed.errors)
         ]
         calls = parsed.tool_calls
-        if len(calls) == 1:
-            results.append(await self._call_tool(env, calls[0], state))
-        elif calls:
-            results.extend(await asyncio.gather(*(self._call_tool(env, c, state) for c in calls)))
-        return results
+        limits = (env.tool_timeout or self.config.tool_timeout, self.config.max_tool_output_chars)
 
-    async def _call_tool(self, env: Environment, call: ToolCall, state: EpisodeState) -> ToolResult:
-        tool = self._tools.get(call.name)
-        if tool is None:
-            known = ", ".join(self._tools) or "none"
-            return ToolResult(
-                call_id=call.id,
-                name=call.name,
-                error="unknown_tool",
-                content=f"Error: unknown tool {call.name!r}; available tools: {known}",
-            )
-        try:
-            kwargs = tool.validate(call.arguments)
-        except ValueError as exc:
-            return ToolResult(
-                call_id=call.id,
-                name=call.name,
-                error="bad_arguments",
-                content=f"Error: bad arguments for {call.name}: {exc}",
-            )
-        timeout = tool.timeout or env.tool_timeout or self.config.tool_timeout
-        t0 = time.perf_counter()
-        error: str | None = None
-        try:
-            async with asyncio.timeout(timeout):
-                value = await tool.invoke(env, kwargs, state=state, executor=self._executor)
-            content = format_tool_output(value)
-        except TimeoutError:
-            error, content = "timeout", f"Error: tool {call.name} timed out after {timeout}s"
-        except ToolError as exc:
-            error, content = "tool_error", f"Error: {exc}"
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            error, content = "exception", f"Error: {call.name} raised {type(exc).__name__}: {exc}"
-        limit = self.config.max_tool_output_chars
-        if len(content) > limit:
-            half = limit // 2
-            content = f"{content[:half]}\n...[{len(content) - 2 * half} characters elided]...\n{content[-half:]}"
-        return ToolResult(
-            call_id=call.id,
-            name=call.name,
-            content=content,
-            error=error,
-            duration=time.perf_counter() - t0,
-        )
+        def run(call: ToolCall) -> Awaitable[ToolResult]:
+            return call_tool(self._tools, env, call, state, limits, self._executor)
+
+        if len(calls) == 1:
+            results.append(await run(calls[0]))
+        elif calls:
+            results.extend(await asyncio.gather(*(run(c) for c in calls)))
+        return results
 
     async def _score(self, env: Environment, state: EpisodeState, traj: Trajectory) -> None:
         """Set ``traj.rewards`` and ``traj.reward`` from the rubric or ``env.reward``."""
@@ -612,4 +515,4 @@ class RolloutEngine:
             traj.reward = float(value)
 
 
-__all__ = ["EpisodeTimeout", "RolloutConfig", "RolloutEngine", "TrajectoryBuilder", "episode_seed"]
+__all__ = ["RolloutConfig", "RolloutEngine", "TrajectoryBuilder", "episode_seed"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import random
 import re
 
-from agentroll.env import Environment, Rubric, tool
+from agentroll.env import Environment, Rubric
 from agentroll.errors import ConfigError, ToolError
 from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.tool import tool
 from agentroll.tools.calculator import evaluate
 from agentroll.types import Task
 

@@ -15,8 +15,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from agentroll.env import tool
 from agentroll.errors import ToolError
+from agentroll.tool import tool
 
 MAX_INT_BITS = 8192
 MAX_EXPRESSION_CHARS = 1000

@@ -7,9 +7,9 @@ bad path is a ``ToolError`` the model sees.
 
 from __future__ import annotations
 
-from agentroll.env import tool
 from agentroll.errors import ToolError
 from agentroll.sandbox.base import Sandbox
+from agentroll.tool import tool
 
 
 def _need(sandbox: Sandbox | None, name: str) -> Sandbox:

@@ -7,9 +7,9 @@ failing or timed-out program is output the model sees, never an exception.
 
 from __future__ import annotations
 
-from agentroll.env import format_tool_output, tool
 from agentroll.errors import ToolError
 from agentroll.sandbox.base import Sandbox
+from agentroll.tool import format_tool_output, tool
 from agentroll.types import new_id
 
 

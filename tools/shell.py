@@ -6,9 +6,9 @@ or timed-out command is output the model sees (with its exit code), never an exc
 
 from __future__ import annotations
 
-from agentroll.env import format_tool_output, tool
 from agentroll.errors import ToolError
 from agentroll.sandbox.base import Sandbox
+from agentroll.tool import format_tool_output, tool
 
 
 @tool
