@@ -32,6 +32,29 @@ class _Rollback:
         self.n = n
 
 
+class _Stream:
+    """The outputs of one request waiting for its consumer (lighter than an asyncio.Queue:
+    one list and at most one pending future)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[Any]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
+
+
 class TorchBackend(Backend):
     """``TorchBackend(EngineConfig(model=DIR))`` or ``TorchBackend(DIR, dtype=..., ...)``."""
 
@@ -51,7 +74,7 @@ class TorchBackend(Backend):
         self.engine: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._stepper: asyncio.Task[None] | None = None
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._commands: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -82,8 +105,8 @@ class TorchBackend(Backend):
             stepper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stepper
-        for queue in self._streams.values():
-            queue.put_nowait(BackendError("the torch backend was closed"))
+        for stream in self._streams.values():
+            stream.put_nowait(BackendError("the torch backend was closed"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -108,9 +131,9 @@ class TorchBackend(Backend):
                 finally:
                     self._idle.set()
                 for out in outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put_nowait(out)
                 # Let the consumers take their tokens before the next step: run concurrently,
                 # their Python would fight the step's Python for the GIL and slow both.
                 await asyncio.sleep(0)
@@ -119,8 +142,8 @@ class TorchBackend(Backend):
         except BaseException as exc:  # the engine itself broke: fail every stream
             logger.exception("torch engine step failed")
             self._failure = exc
-            for queue in self._streams.values():
-                queue.put_nowait(BackendError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            for stream in self._streams.values():
+                stream.put_nowait(BackendError(f"engine step failed: {type(exc).__name__}: {exc}"))
 
     def _apply_commands(self) -> None:
         commands, self._commands = self._commands, []
@@ -132,17 +155,17 @@ class TorchBackend(Backend):
                         request.request_id, list(request.prompt_ids), request.sampling
                     )
                 except ValueError as exc:
-                    queue = self._streams.get(request.request_id)
-                    if queue is not None:
-                        queue.put_nowait(BackendError(str(exc)))
+                    stream = self._streams.get(request.request_id)
+                    if stream is not None:
+                        stream.put_nowait(BackendError(str(exc)))
             elif op == "abort":
                 self.engine.abort(arg)
             elif op == "restore":
-                snap, queue = arg
+                snap, stream = arg
                 try:
                     self.engine.restore(snap)
                 except ValueError as exc:
-                    queue.put_nowait(BackendError(str(exc)))
+                    stream.put_nowait(BackendError(str(exc)))
 
     def _submit(self, op: str, arg: Any) -> None:
         self._commands.append((op, arg))
@@ -150,93 +173,83 @@ class TorchBackend(Backend):
 
     # -- generation ------------------------------------------------------------------------
 
-    def _open(self, request_id: str) -> asyncio.Queue[Any]:
+    def _open(self, request_id: str) -> _Stream:
         if self._stepper is None:
             raise BackendError("the torch backend is not started; use `async with backend:`")
         if self._failure is not None:
             raise BackendError(f"the torch engine failed earlier: {self._failure}")
         if request_id in self._streams:
             raise BackendError(f"request {request_id!r} is already streaming")
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request_id] = queue
-        return queue
+        stream = _Stream()
+        self._streams[request_id] = stream
+        return stream
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        queue = self._open(request.request_id)
+        stream = self._open(request.request_id)
         self._submit("add", request)
-        async for chunk in self._stream(request.request_id, queue):
+        async for chunk in self._stream(request.request_id, stream):
             yield chunk
 
     async def restore(self, snapshot: Any) -> AsyncIterator[GenerationChunk]:
         """Continue a request from a ``RequestSnapshot`` (taken here or in another process);
         yields the tokens sampled after the snapshot."""
-        queue = self._open(snapshot.request_id)
-        self._submit("restore", (snapshot, queue))
-        async for chunk in self._stream(snapshot.request_id, queue):
+        stream = self._open(snapshot.request_id)
+        self._submit("restore", (snapshot, stream))
+        async for chunk in self._stream(snapshot.request_id, stream):
             yield chunk
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[Any]
-    ) -> AsyncIterator[GenerationChunk]:
+    async def _stream(self, request_id: str, stream: _Stream) -> AsyncIterator[GenerationChunk]:
         finished = False
         try:
             while not finished:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                chunk: GenerationChunk | None = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        finished = True
-                        raise item
-                    if isinstance(item, _Rollback):
-                        if chunk is not None:
-                            yield chunk
-                        chunk = GenerationChunk(
-                            token_ids=[],
-                            logprobs=[],
-                            policy_version=self.policy_version,
-                            kv_version=self.policy_version,
-                            rollback=item.n,
-                        )
-                        continue
-                    if item.error is not None:
-                        finished = True
-                        raise BackendError(f"request {request_id!r} refused: {item.error}")
-                    if (
-                        chunk is not None
-                        and (
-                            chunk.policy_version != item.policy_version
-                            or chunk.kv_version != item.kv_version
-                        )
-                        and chunk.token_ids
-                    ):
-                        yield chunk
-                        chunk = None
-                    if chunk is None:
-                        chunk = GenerationChunk(
-                            token_ids=[],
-                            logprobs=[],
-                            policy_version=item.policy_version,
-                            kv_version=item.kv_version,
-                        )
-                    elif not chunk.token_ids:  # a rollback chunk takes the versions of what follows
-                        chunk.policy_version, chunk.kv_version = (
-                            item.policy_version,
-                            item.kv_version,
-                        )
-                    chunk.token_ids.append(item.token_id)
-                    chunk.logprobs.append(item.logprob)
-                    if item.finish_reason is not None:
-                        chunk.finish_reason = item.finish_reason
-                        finished = True
-                        break
-                if chunk is not None:
+                items = await stream.take()
+                for chunk in self._chunks(request_id, items):
+                    finished = chunk.finish_reason is not None
                     yield chunk
         finally:
+            # a request that ended in error is already gone: its abort is a no-op
             self._streams.pop(request_id, None)
             if not finished and self._stepper is not None:
                 self._submit("abort", request_id)
+
+    def _chunks(self, request_id: str, items: list[Any]) -> list[GenerationChunk]:
+        """Group step outputs into chunks of equal (policy_version, kv_version); raises the
+        error an item carries."""
+        out: list[GenerationChunk] = []
+        chunk: GenerationChunk | None = None
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, _Rollback):
+                version = self.policy_version
+                chunk = GenerationChunk(
+                    token_ids=[],
+                    logprobs=[],
+                    policy_version=version,
+                    kv_version=version,
+                    rollback=item.n,
+                )
+                out.append(chunk)
+                continue
+            if item.error is not None:
+                raise BackendError(f"request {request_id!r} refused: {item.error}")
+            versions = (item.policy_version, item.kv_version)
+            if chunk is None or (
+                chunk.token_ids and (chunk.policy_version, chunk.kv_version) != versions
+            ):
+                chunk = GenerationChunk(
+                    token_ids=[], logprobs=[], policy_version=versions[0], kv_version=versions[1]
+                )
+                out.append(chunk)
+            elif not chunk.token_ids:  # a rollback chunk takes the versions of what follows
+                chunk.policy_version, chunk.kv_version = versions
+            if item.token_id is not None:
+                chunk.token_ids.append(item.token_id)
+                chunk.logprobs.append(item.logprob)
+            if item.finish_reason is not None:
+                chunk.finish_reason = item.finish_reason
+                break
+        return out
 
     # -- pause / resume / weights / snapshots -----------------------------------------------
 
@@ -257,9 +270,9 @@ class TorchBackend(Backend):
             return
         rollback = self.engine.resume_all(self._policy)
         for request_id, n in rollback.items():
-            queue = self._streams.get(request_id)
-            if queue is not None and n:
-                queue.put_nowait(_Rollback(n))
+            stream = self._streams.get(request_id)
+            if stream is not None and n:
+                stream.put_nowait(_Rollback(n))
         self._paused = False
         self._wake.set()
 
@@ -297,14 +310,14 @@ class TorchBackend(Backend):
 
     async def abort(self, request_id: str) -> None:
         """Drop a request (its stream ends with ``finish_reason='abort'``)."""
-        queue = self._streams.get(request_id)
+        stream = self._streams.get(request_id)
         if self._paused:
             self.engine.abort(request_id)
         else:
             self._submit("abort", request_id)
-        if queue is not None:
+        if stream is not None:
             from agentroll.engine.engine import StepOutput
 
-            queue.put_nowait(
+            stream.put_nowait(
                 StepOutput(request_id, None, float("nan"), self.policy_version, -1, "abort")
             )
