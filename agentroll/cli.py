@@ -37,6 +37,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=1, help="torch intra-op threads for every system measured"
     )
 
+    sync = bsub.add_parser("sync", help="delta weight updates: bytes vs verl, encode/apply GB/s")
+    sync.add_argument("--params", type=int, default=50_000_000)
+    sync.add_argument("--changed", type=float, default=0.01, help="fraction of elements changed")
+    sync.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
@@ -45,7 +50,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("envs", help="list the built-in environments")
 
     model = sub.add_parser("model", help="model checkpoints")
-    msub = model.add_subparsers(dest="model", required=True)
+    msub = model.add_subparsers(dest="model_command", required=True)
+    sizes = msub.add_parser("sizes", help="training-state vs inference-export sizes of a model")
+    sizes.add_argument(
+        "target",
+        metavar="MODEL",
+        help="checkpoint dir (with config.json) or a parameter count, e.g. 70e9",
+    )
+    sizes.add_argument("--dtype", default="bfloat16", help="serving dtype of the inference export")
     tiny = msub.add_parser(
         "create-tiny", help="write the project-made tiny Qwen2 checkpoint (offline)"
     )
@@ -84,7 +96,21 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 print(r.line(), flush=True)
             return 0 if all(r.passed for r in results) else 1
-        elif args.command == "model" and args.model == "create-tiny":
+        elif args.command == "model" and args.model_command == "sizes":
+            from agentroll.weights.artifacts import sizes_for_checkpoint, sizes_for_params
+
+            try:
+                result = sizes_for_params(int(float(args.target)), args.dtype)
+            except ValueError:
+                result = sizes_for_checkpoint(args.target, args.dtype)
+            print(result.line())
+        elif args.command == "bench" and args.bench == "sync":
+            from agentroll.bench_sync import main_sync
+
+            if args.params < 1 or not 0 <= args.changed <= 1:
+                raise SystemExit("--params must be >= 1 and --changed within [0, 1]")
+            main_sync(args.params, args.changed, args.dtype)
+        elif args.command == "model" and args.model_command == "create-tiny":
             from agentroll.model.tiny import create_tiny
 
             if args.hidden % 64 or args.hidden < 64:

@@ -10,7 +10,8 @@
     ├── SandboxError                    the sandbox itself failed (not the command it ran)
     ├── BackendError                    the generation backend failed
     │   └── GenerationTimeout           one generation exceeded its stage timeout
-    └── EpisodeTimeout                  a whole episode exceeded its timeout
+    ├── EpisodeTimeout                  a whole episode exceeded its timeout
+    └── WeightSyncError                 a weight update was refused or failed (nothing changed)
 
 Foreign errors (OSError, httpx, docker, torch.distributed) are translated where they are
 caught, with ``raise ... from exc``.  Cancellation is never translated.
@@ -80,3 +81,8 @@ def require(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         raise MissingDependencyError(module, extra) from exc
+
+
+class WeightSyncError(AgentrollError):
+    """A weight update was refused (wrong base, bad checksum, unknown tensor, broken
+    transport); the replica keeps its previous weights and version, bit for bit."""

@@ -294,6 +294,13 @@ class TorchBackend(Backend):
             )
         )
 
+    async def apply(self, update: Any) -> None:
+        """Apply a ``WeightUpdate`` (full or delta) while paused; ``WeightSyncError`` leaves
+        the weights and version unchanged."""
+        self._require_paused("apply")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.engine.apply_update, update)
+
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
         """A ``RequestSnapshot`` of a request, taken while paused."""
         self._require_paused("snapshot")

@@ -27,6 +27,8 @@ from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
 from agentroll.errors import ConfigError
+from agentroll.weights.apply import WeightStore
+from agentroll.weights.update import WeightUpdate
 
 ResumePolicy = Literal["keep", "recompute", "restart"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -208,6 +210,7 @@ class LLMEngine:
             }
         )
         self.num_steps = 0
+        self._store: WeightStore | None = None
 
     def _set_threads(self, model_dir: Path) -> None:
         threads = self.config.num_threads
@@ -405,9 +408,26 @@ class LLMEngine:
         """Load new weights in place (full state dict or checkpoint directory) and bump the
         policy version.  Call only while no step runs (the facade pauses first)."""
         self.runner.load_weights(weights)
+        self._store = None  # checksums are stale
         new = self.policy_version + 1 if version is None else version
         self.scheduler.set_weights_version(new)
         return new
+
+    def weight_store(self) -> WeightStore:
+        """The live weights as a ``WeightStore`` (version = the policy version)."""
+        if self._store is None:
+            self._store = WeightStore(self.runner.state_dict(), version=self.policy_version)
+        return self._store
+
+    def apply_update(self, update: WeightUpdate) -> int:
+        """Apply a full or delta ``WeightUpdate`` in place, verified by checksum and digest;
+        returns the new policy version.  Raises ``WeightSyncError`` with nothing changed when
+        it is refused.  Call only while no step runs (the facade pauses first)."""
+        store = self.weight_store()
+        store.version = self.policy_version
+        store.apply(update)
+        self.scheduler.set_weights_version(update.version)
+        return update.version
 
     # -- snapshots -------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Weight sync: full and delta updates, checksums, apply with rollback, transports."""

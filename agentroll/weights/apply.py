@@ -1,0 +1,109 @@
+"""Replica side of weight sync: apply a ``WeightUpdate`` to live weights, all or nothing.
+
+Invariants: an update is refused before anything is written when its base version, a tensor
+name, dtype or shape does not match; once writing starts, every touched tensor's checksum and
+then the whole-model digest are verified, and any mismatch or error restores the previous
+bytes (undo log for CPU tensors, host staging for device tensors) and raises
+``WeightSyncError`` with version and weights unchanged.  After success the replica's digest
+equals the one the trainer computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+
+from agentroll.errors import WeightSyncError
+from agentroll.weights.delta import decode_into
+from agentroll.weights.update import WeightUpdate, dtype_name, model_digest, tensor_checksum
+
+
+class WeightStore:
+    """The live weights of one replica (a name -> tensor mapping whose tensors are written in
+    place), their version and a cache of per-tensor checksums."""
+
+    def __init__(self, tensors: MutableMapping[str, torch.Tensor], *, version: int = 0) -> None:
+        self.tensors = tensors
+        self.version = version
+        self._checksums: dict[str, str] | None = None
+
+    @property
+    def checksums(self) -> dict[str, str]:
+        if self._checksums is None:
+            self._checksums = {n: tensor_checksum(t) for n, t in self.tensors.items()}
+        return self._checksums
+
+    def digest(self) -> str:
+        """The whole-model digest of the live weights (from the checksum cache)."""
+        return model_digest(self.checksums)
+
+    def verify(self) -> str:
+        """Recompute every checksum from the live bytes (slow) and return the digest."""
+        self._checksums = None
+        return self.digest()
+
+    def _check(self, update: WeightUpdate) -> None:
+        if (
+            update.kind == "delta" or update.base_version != -1
+        ) and update.base_version != self.version:
+            raise WeightSyncError(
+                f"update to version {update.version} is based on version {update.base_version}, "
+                f"but this replica has version {self.version}; ask for a full update"
+            )
+        if update.version <= self.version and update.base_version != -1:
+            raise WeightSyncError(
+                f"update version {update.version} is not newer than {self.version}"
+            )
+        seen: set[str] = set()
+        for tu in update.tensors:
+            target = self.tensors.get(tu.name)
+            if target is None:
+                raise WeightSyncError(f"the model has no tensor {tu.name!r}")
+            if tu.name in seen:
+                raise WeightSyncError(f"tensor {tu.name!r} appears twice in the update")
+            seen.add(tu.name)
+            if tuple(target.shape) != tuple(tu.shape) or dtype_name(target.dtype) != tu.dtype:
+                raise WeightSyncError(
+                    f"tensor {tu.name!r} is {tu.dtype}{list(tu.shape)} in the update but "
+                    f"{dtype_name(target.dtype)}{list(target.shape)} in the model"
+                )
+
+    def apply(self, update: WeightUpdate) -> str:
+        """Apply ``update``; returns the new digest.  Raises ``WeightSyncError`` (nothing
+        changed) when it is refused or fails verification."""
+        self._check(update)
+        checksums = dict(self.checksums)
+        done: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (live, host, undo)
+        try:
+            for tu in update.tensors:
+                live = self.tensors[tu.name]
+                on_host = live.device.type == "cpu" and live.is_contiguous()
+                host = live if on_host else live.detach().contiguous().cpu()
+                undo = decode_into(tu, host)
+                done.append((live, host, undo if on_host else None))
+                checksum = tensor_checksum(host)
+                if checksum != tu.checksum:
+                    raise WeightSyncError(
+                        f"checksum mismatch for {tu.name!r} after applying the update"
+                    )
+                checksums[tu.name] = checksum
+            digest = model_digest(checksums)
+            if digest != update.digest:
+                raise WeightSyncError(
+                    "the model digest after the update does not match the trainer's"
+                )
+        except Exception as exc:
+            for _, host, undo in reversed(done):
+                if undo is not None:
+                    undo.restore(host)
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise WeightSyncError(f"update to version {update.version} failed: {exc}") from exc
+        for live, host, undo in done:
+            if undo is None:  # device tensor: staged on the host, copied only after verification
+                live.copy_(host)
+        self._checksums = checksums
+        self.version = update.version
+        return digest

@@ -1,0 +1,212 @@
+"""HTTP weight transport: a replica-side ``POST /weights`` endpoint and an httpx client.
+
+The body is the ``encode_frames`` stream (header frame, then payloads) sent with chunked
+transfer encoding.  Invariants: the server decodes as bytes arrive (holding only the payloads
+of this update), verifies every payload's xxh3 and hands ``on_update`` a complete update or
+nothing; the sender learns the outcome (200 applied, 409 refused by the replica, 400 malformed
+or truncated, 401 bad token) and any failure surfaces as ``WeightSyncError``.  Servers bind
+127.0.0.1 unless told otherwise, and then require a bearer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import ipaddress
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.weights.transport import (
+    FrameDecoder,
+    WeightSender,
+    describe,
+    encode_frames,
+    run_blocking,
+)
+from agentroll.weights.update import WeightUpdate
+
+CONTENT_TYPE = "application/x-agentroll-weights"
+OnUpdate = Callable[[WeightUpdate], Awaitable[None]]
+
+
+def weights_app(
+    on_update: OnUpdate, *, token: str | None = None, path: str = "/weights"
+) -> Starlette:
+    """A Starlette app with ``POST {path}``: decode and verify the streamed update, then
+    ``await on_update(update)``.  Responses: 200 ``{"version": v}``; 400 (text) for a
+    malformed, corrupt or truncated upload, ``on_update`` not called; 401 when ``token`` is set
+    and the request lacks ``Authorization: Bearer <token>``; 409 (text: the error) when
+    ``on_update`` raises ``WeightSyncError``.  Other errors from ``on_update`` give 500.
+    Concurrent uploads are decoded concurrently; ordering applies is ``on_update``'s job."""
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def upload(request: Request) -> Response:
+        if expected is not None:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return PlainTextResponse(
+                    "missing or wrong bearer token", 401, headers={"WWW-Authenticate": "Bearer"}
+                )
+        decoder = FrameDecoder()
+        try:
+            async for chunk in request.stream():
+                decoder.feed(chunk)
+            update = decoder.finish()
+        except ClientDisconnect:
+            # the sender is gone; nobody reads this response and the partial update is dropped
+            return Response(status_code=400)
+        except WeightSyncError as exc:
+            return PlainTextResponse(f"malformed weight upload: {exc}", 400)
+        try:
+            await on_update(update)
+        except WeightSyncError as exc:
+            return PlainTextResponse(str(exc), 409)
+        return JSONResponse({"version": update.version})
+
+    return Starlette(routes=[Route(path, upload, methods=["POST"])])
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn that reports readiness and leaves the host's signal handlers alone."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def serve_weights(
+    on_update: OnUpdate,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    path: str = "/weights",
+) -> AsyncIterator[str]:
+    """Run ``weights_app`` under uvicorn for the duration of the block; yields the endpoint URL
+    (``port=0`` picks a free port).  A non-loopback ``host`` requires a ``token``
+    (``ConfigError`` otherwise).  The server task is owned by this context: on exit it stops
+    accepting, finishes in-flight requests (up to 5 s) and is awaited; if the block is
+    cancelled during shutdown, the server task is cancelled and awaited too."""
+    if token is None and not _is_loopback(host):
+        raise ConfigError(f"serving weights on {host!r} needs a token (or bind 127.0.0.1)")
+    sock = socket.create_server((host, port))
+    try:
+        bound_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            weights_app(on_update, token=token, path=path),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server = _EmbeddedServer(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]), name="agentroll-weights-server")
+        try:
+            ready = asyncio.ensure_future(server.ready.wait())
+            try:
+                await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if task.done():
+                task.result()  # raises the startup error if there is one
+                raise RuntimeError("the weights server exited during startup")
+            url_host = f"[{host}]" if ":" in host else host
+            yield f"http://{url_host}:{bound_port}{path}"
+        finally:
+            server.should_exit = True
+            try:
+                await asyncio.shield(task)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+    finally:
+        sock.close()
+
+
+class HttpTransport(WeightSender):
+    """Send updates to a replica's ``weights_app`` endpoint at ``url``, streamed in chunks of
+    ``chunk_bytes``.  ``send`` returns when the replica accepted the update (200) and raises
+    ``WeightSyncError`` when it refused it (the reply text is in the message) or when the
+    connection failed or timed out (``timeout`` seconds per read/write).  Sending is safe to
+    retry: the replica never applies a partial upload.  Pass ``client`` to share a pool
+    (it is then not closed by ``aclose``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        chunk_bytes: int = 1 << 20,
+        timeout: float = 300.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.url = url
+        self.chunk_bytes = chunk_bytes
+        self._headers = {"content-type": CONTENT_TYPE}
+        if token is not None:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    async def send(self, update: WeightUpdate) -> None:
+        header = await run_blocking(describe, update)
+        frames = functools.partial(encode_frames, update, header, chunk_bytes=self.chunk_bytes)
+
+        async def body() -> AsyncIterator[bytes]:
+            for chunk in frames():
+                yield chunk
+
+        try:
+            response = await self._client.post(self.url, content=body(), headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(
+                f"weight upload v{update.version} to {self.url} failed: {exc!r}"
+            ) from exc
+        if response.status_code != 200:
+            raise WeightSyncError(
+                f"replica at {self.url} refused update v{update.version}: "
+                f"HTTP {response.status_code}: {response.text}"
+            )
+        try:
+            version = response.json()["version"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise WeightSyncError(f"unexpected reply from {self.url}: {response.text!r}") from exc
+        if version != update.version:
+            raise WeightSyncError(
+                f"replica at {self.url} acknowledged v{version}, not v{update.version}"
+            )
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()

@@ -1,0 +1,407 @@
+"""Weight transports: moving a ``WeightUpdate`` between processes, verified in transit.
+
+Invariants: a receiver never returns a partial update -- every payload is checked against a
+transport-level length and xxh3-128 (of the payload bytes, distinct from the tensor checksum
+that ``apply`` verifies) and any truncated, corrupt or incomplete transfer raises
+``WeightSyncError``; a directory update appears all at once (temp dir + ``os.rename``);
+blocking work runs off the event loop and no worker thread outlives the call that started it.
+Also home of the wire header and byte-stream framing that HTTP and torch.distributed share.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Annotated, Literal, Self, TypeVar
+
+import msgspec
+import numpy as np
+import xxhash
+
+from agentroll.errors import WeightSyncError
+from agentroll.weights.update import Encoding, TensorUpdate, UpdateKind, WeightUpdate
+
+FORMAT = "agentroll.weights/1"
+#: stream preamble: MAGIC, then the header length as little-endian u64, then the header
+MAGIC = b"ARWU\x00\x00\x00\x01"
+MAX_HEADER_BYTES = 64 << 20
+MANIFEST = "manifest.json"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+_T = TypeVar("_T")
+#: the TensorUpdate fields a header carries: all but the payload
+_TENSOR_FIELDS = tuple(f for f in TensorUpdate.__struct_fields__ if f != "payload")
+
+
+class PayloadInfo(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Everything about one tensor except its payload, plus the payload's transport integrity:
+    ``length`` and ``xxh3`` (hex xxh3-128 of the payload bytes).  ``file`` is used only in a
+    directory manifest."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    compression: Literal["none", "zstd"]
+    num_changed: int
+    checksum: str
+    length: Annotated[int, msgspec.Meta(ge=0)]
+    xxh3: str
+    file: str | None = None
+
+
+class UpdateHeader(msgspec.Struct, kw_only=True, frozen=True):
+    """The metadata frame of an update (also the directory ``manifest.json``)."""
+
+    format: str
+    version: int
+    base_version: int
+    kind: UpdateKind
+    digest: str
+    tensors: tuple[PayloadInfo, ...]
+
+
+def describe(update: WeightUpdate) -> UpdateHeader:
+    """The header of ``update``, hashing every payload (CPU bound: call it off the loop)."""
+    names = [t.name for t in update.tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"update v{update.version} names a tensor twice")
+    infos = tuple(
+        PayloadInfo(
+            length=len(t.payload),
+            xxh3=xxhash.xxh3_128_hexdigest(t.payload),
+            **{f: getattr(t, f) for f in _TENSOR_FIELDS},
+        )
+        for t in update.tensors
+    )
+    return UpdateHeader(
+        format=FORMAT,
+        version=update.version,
+        base_version=update.base_version,
+        kind=update.kind,
+        digest=update.digest,
+        tensors=infos,
+    )
+
+
+def assemble(
+    header: UpdateHeader, payloads: Sequence[bytes], *, verified: bool = False
+) -> WeightUpdate:
+    """Verify every payload against ``header`` (unless the caller already did) and build the
+    update (all or nothing)."""
+    tensors = []
+    for info, payload in zip(header.tensors, payloads, strict=True):
+        if not verified and len(payload) != info.length:
+            raise WeightSyncError(
+                f"payload of {info.name!r} is {len(payload)} bytes, not {info.length}"
+            )
+        if not verified and xxhash.xxh3_128_hexdigest(payload) != info.xxh3:
+            raise WeightSyncError(f"payload of {info.name!r} is corrupt (xxh3 mismatch)")
+        fields = {f: getattr(info, f) for f in _TENSOR_FIELDS}
+        tensors.append(TensorUpdate(payload=payload, **fields))
+    return WeightUpdate(
+        version=header.version,
+        base_version=header.base_version,
+        kind=header.kind,
+        tensors=tuple(tensors),
+        digest=header.digest,
+    )
+
+
+def decode_header(data: bytes, *, json: bool = False) -> UpdateHeader:
+    """Parse and validate a header frame (msgpack) or manifest (JSON)."""
+    decoder = msgspec.json.Decoder(UpdateHeader) if json else msgspec.msgpack.Decoder(UpdateHeader)
+    try:
+        header = decoder.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise WeightSyncError(f"malformed update header: {exc}") from exc
+    if header.format != FORMAT:
+        raise WeightSyncError(f"unsupported update format {header.format!r}, expected {FORMAT!r}")
+    return header
+
+
+def encode_frames(
+    update: WeightUpdate, header: UpdateHeader, *, chunk_bytes: int = 1 << 20
+) -> Iterator[bytes]:
+    """The byte stream ``MAGIC | u64le len(H) | H=msgpack(header) | payload_0 | payload_1 ...``
+    in chunks of at most ``chunk_bytes`` (payloads in header order, no padding)."""
+    head = msgspec.msgpack.encode(header)
+    yield MAGIC + struct.pack("<Q", len(head)) + head
+    for tensor in update.tensors:
+        view = memoryview(tensor.payload)
+        for start in range(0, len(view), chunk_bytes):
+            yield bytes(view[start : start + chunk_bytes])
+
+
+class FrameDecoder:
+    """Incremental decoder of ``encode_frames`` output: ``feed`` chunks of any size, then
+    ``finish``.  Holds only the payloads completed so far plus the one in progress; each
+    payload is verified as soon as it is complete.  With ``header`` given, the stream holds
+    the payloads only (torch.distributed sends the header separately)."""
+
+    def __init__(self, header: UpdateHeader | None = None) -> None:
+        self.header = header
+        self._stage: Literal["preamble", "header", "payload", "done"] = "preamble"
+        self._need = len(MAGIC) + 8
+        self._parts: list[bytes] = []
+        self._have = 0
+        self._payloads: list[bytes] = []
+        self._hasher = xxhash.xxh3_128()
+        if header is not None:
+            self._stage = "payload"
+            self._next_payload()
+
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while len(view):
+            if self._stage == "done":
+                raise WeightSyncError(f"{len(view)} unexpected bytes after the last payload")
+            take = min(self._need - self._have, len(view))
+            piece = bytes(view[:take])
+            if self._stage == "payload":
+                self._hasher.update(piece)  # hash as bytes arrive: no pause at the end
+            self._parts.append(piece)
+            self._have += take
+            view = view[take:]
+            if self._have == self._need:
+                self._complete(b"".join(self._parts))
+
+    def finish(self) -> WeightUpdate:
+        """The verified update; ``WeightSyncError`` if the stream stopped early."""
+        if self._stage != "done" or self.header is None:
+            missing = self._need - self._have
+            raise WeightSyncError(
+                f"update stream truncated in {self._stage} ({missing} bytes short)"
+            )
+        return assemble(self.header, self._payloads, verified=True)
+
+    def _complete(self, piece: bytes) -> None:
+        self._parts, self._have = [], 0
+        if self._stage == "preamble":
+            if piece[: len(MAGIC)] != MAGIC:
+                raise WeightSyncError("not an agentroll weight update stream (bad magic)")
+            (self._need,) = struct.unpack("<Q", piece[len(MAGIC) :])
+            if not 0 < self._need <= MAX_HEADER_BYTES:
+                raise WeightSyncError(f"bad update header length {self._need}")
+            self._stage = "header"
+        elif self._stage == "header":
+            self.header = decode_header(piece)
+            self._stage = "payload"
+            self._next_payload()
+        else:
+            assert self.header is not None
+            info = self.header.tensors[len(self._payloads)]
+            if self._hasher.hexdigest() != info.xxh3:
+                raise WeightSyncError(f"payload of {info.name!r} is corrupt (xxh3 mismatch)")
+            self._hasher.reset()
+            self._payloads.append(piece)
+            self._next_payload()
+
+    def _next_payload(self) -> None:
+        assert self.header is not None
+        tensors = self.header.tensors
+        # empty payloads (a delta that changes nothing) complete without any bytes
+        while len(self._payloads) < len(tensors) and tensors[len(self._payloads)].length == 0:
+            self._payloads.append(b"")
+        if len(self._payloads) == len(tensors):
+            self._stage, self._need = "done", 0
+        else:
+            self._need = tensors[len(self._payloads)].length
+
+
+async def run_blocking(fn: Callable[..., _T], /, *args: object) -> _T:
+    """Run ``fn(*args)`` in a worker thread.  On cancellation, wait for the thread to finish
+    (its work cannot be interrupted) and then re-raise, so no thread outlives the call."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait({future})
+        raise
+
+
+class WeightSender(abc.ABC):
+    """The producer half: ``send`` returns once the update has been handed over (in-process),
+    committed (directory), or accepted by the receiver (HTTP, torch.distributed)."""
+
+    @abc.abstractmethod
+    async def send(self, update: WeightUpdate) -> None: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Release connections or files; the default has nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class WeightReceiver(abc.ABC):
+    """The consumer half: ``receive`` waits for the next update and returns it only after
+    every payload has been verified; otherwise it raises ``WeightSyncError``."""
+
+    @abc.abstractmethod
+    async def receive(self) -> WeightUpdate: ...
+
+
+class WeightTransport(WeightSender, WeightReceiver):
+    """Both halves; HTTP is send-only (the replica side is ``weights_app``)."""
+
+
+class InProcessTransport(WeightTransport):
+    """Object handoff through a bounded queue: ``send`` blocks while ``maxsize`` updates wait.
+    ``verify`` hashes payloads on send and checks them on receive, so this transport obeys the
+    same contract as the others (cheap: xxh3 runs at memory speed)."""
+
+    def __init__(self, maxsize: int = 1, *, verify: bool = True) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+        self._queue: asyncio.Queue[tuple[WeightUpdate, UpdateHeader | None]]
+        self._queue = asyncio.Queue(maxsize)
+        self._verify = verify
+
+    async def send(self, update: WeightUpdate) -> None:
+        header = await run_blocking(describe, update) if self._verify else None
+        await self._queue.put((update, header))
+
+    async def receive(self) -> WeightUpdate:
+        update, header = await self._queue.get()
+        if header is None:
+            return update
+        return await run_blocking(assemble, header, [t.payload for t in update.tensors])
+
+
+def write_update(update: WeightUpdate, root: str | Path, *, file_bytes: int = 1 << 30) -> Path:
+    """Write ``update`` to ``root/v{version}/`` atomically and return that path: payloads as
+    uint8 tensors in ``payloads-NNNNN.safetensors`` files of at most ~``file_bytes`` each
+    (one payload is never split), then ``manifest.json``, fsynced, then one ``os.rename``.
+    Raises ``WeightSyncError`` if the version exists or the write fails (nothing is left)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{update.version}"
+    if final.exists():
+        raise WeightSyncError(f"update v{update.version} already exists in {root}")
+    header = describe(update)
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{update.version}-", suffix=".tmp", dir=root))
+    try:
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i, info in enumerate(header.tensors):
+            if groups[-1] and size + info.length > file_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += info.length
+        infos = list(header.tensors)
+        for n, group in enumerate(groups):
+            fname = f"payloads-{n:05d}.safetensors"
+            arrays = {
+                infos[i].name: np.frombuffer(update.tensors[i].payload, dtype=np.uint8)
+                for i in group
+            }
+            save_file(arrays, str(tmp / fname))
+            _fsync(tmp / fname)
+            for i in group:
+                infos[i] = msgspec.structs.replace(infos[i], file=fname)
+        manifest = msgspec.structs.replace(header, tensors=tuple(infos))
+        (tmp / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+        _fsync(tmp / MANIFEST)
+        os.rename(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError | SafetensorError):
+            raise WeightSyncError(f"cannot write update v{update.version}: {exc}") from exc
+        raise
+    # durability is best effort here: some filesystems refuse fsync on a directory
+    with contextlib.suppress(OSError):
+        _fsync(root)
+    return final
+
+
+def read_update(path: str | Path) -> WeightUpdate:
+    """Read and verify the update in ``path`` (a ``v{version}/`` directory written by
+    ``write_update``).  Raises ``WeightSyncError`` on a missing or malformed manifest, a
+    missing file, or any payload that does not match the manifest."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        header = decode_header((path / MANIFEST).read_bytes(), json=True)
+    except OSError as exc:
+        raise WeightSyncError(f"cannot read {path / MANIFEST}: {exc}") from exc
+    match = _VERSION_DIR.match(path.name)
+    if match and int(match.group(1)) != header.version:
+        raise WeightSyncError(f"{path} holds version {header.version}")
+    payloads: dict[str, bytes] = {}
+    by_file: dict[str, list[PayloadInfo]] = {}
+    for info in header.tensors:
+        if not info.file or info.file.startswith(".") or Path(info.file).name != info.file:
+            raise WeightSyncError(f"manifest names a bad payload file {info.file!r}")
+        by_file.setdefault(info.file, []).append(info)
+    try:
+        for fname, infos in by_file.items():
+            with safe_open(str(path / fname), framework="numpy") as f:
+                for info in infos:
+                    array = f.get_tensor(info.name)
+                    if array.dtype != np.uint8 or array.ndim != 1:
+                        raise WeightSyncError(f"payload of {info.name!r} is not a uint8 vector")
+                    payloads[info.name] = array.tobytes()
+    except (OSError, SafetensorError) as exc:
+        raise WeightSyncError(f"cannot read update payloads in {path}: {exc}") from exc
+    return assemble(header, [payloads[t.name] for t in header.tensors])
+
+
+def available_versions(root: str | Path) -> list[int]:
+    """Versions of the complete updates under ``root``, ascending (temp dirs are ignored)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _VERSION_DIR.match(n)))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirectoryTransport(WeightTransport):
+    """A shared directory: ``send`` commits ``root/v{version}/``; ``receive`` returns the next
+    version above the last one received (starting after ``after_version``), in version order
+    so delta updates chain, polling every ``poll_interval`` seconds until one appears.  A
+    corrupt version raises ``WeightSyncError`` on every ``receive`` until the caller moves
+    ``last_version`` past it (a full update can then rebase the replica)."""
+
+    def __init__(
+        self, root: str | Path, *, after_version: int = -1, poll_interval: float = 0.05
+    ) -> None:
+        self.root = Path(root)
+        self.last_version = after_version
+        self.poll_interval = poll_interval
+
+    async def send(self, update: WeightUpdate) -> None:
+        await run_blocking(write_update, update, self.root)
+
+    async def receive(self) -> WeightUpdate:
+        while True:
+            versions = await run_blocking(available_versions, self.root)
+            newer = [v for v in versions if v > self.last_version]
+            if newer:
+                update = await run_blocking(read_update, self.root / f"v{newer[0]}")
+                self.last_version = update.version
+                return update
+            await asyncio.sleep(self.poll_interval)
