@@ -41,7 +41,6 @@ class WeightExporter:
         self.base = self._snapshot()
         self.last_delta: WeightUpdate | None = None
         self._full: WeightUpdate | None = None
-        self.replicas: dict[str, int] = {}
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         out = {}
