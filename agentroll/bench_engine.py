@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
-from agentroll.validate import _prompts, ensure_tiny_model
+from agentroll.validate import ensure_tiny_model, sample_prompts
 
 REPEATS = 5  # timed repeats per system (after a warm-up); figures are medians
 
@@ -129,7 +129,7 @@ def main_engine(
     model = ensure_tiny_model(model_dir)
     from agentroll.chat import ChatTokenizer
 
-    prompts = _prompts(ChatTokenizer.from_pretrained(model), concurrency)
+    prompts = sample_prompts(ChatTokenizer.from_pretrained(model), concurrency)
     _log(f"model={model} requests={concurrency} max_tokens={max_tokens} torch_threads={threads}")
     ours, hit_rate = asyncio.run(_ours(model, prompts, max_tokens, batch_invariant=False))
     _log(f"built-in engine (default mode): {ours:.1f} tokens/s")

@@ -52,7 +52,7 @@ def ensure_tiny_model(path: str | Path | None = None) -> Path:
     return p
 
 
-def _prompts(tok: Any, n: int) -> list[list[int]]:
+def sample_prompts(tok: Any, n: int) -> list[list[int]]:
     words = ["hello", "compute", "answer", "tool", "python", "number", "guess", "test"]
     rng = random.Random(0)
     out = []
@@ -62,7 +62,7 @@ def _prompts(tok: Any, n: int) -> list[list[int]]:
     return out
 
 
-def _request(
+def sample_request(
     i: int, prompt: list[int], max_tokens: int, temperature: float = 1.0
 ) -> GenerationRequest:
     return GenerationRequest(
@@ -74,7 +74,7 @@ def _request(
     )
 
 
-async def _collect(
+async def collect_stream(
     backend: Any, request: GenerationRequest, on_token: Callable[[int], Any] | None = None
 ) -> tuple[list[int], list[float], list[tuple[int, int]]]:
     ids: list[int] = []
@@ -95,9 +95,12 @@ async def check_token_parity_pause(model: Path, n: int = 16, max_tokens: int = 4
     from agentroll.backends.torch import TorchBackend
 
     async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
-        prompts = _prompts(backend.tokenizer, n)
+        prompts = sample_prompts(backend.tokenizer, n)
         reference = await asyncio.gather(
-            *(_collect(backend, _request(i, p, max_tokens)) for i, p in enumerate(prompts))
+            *(
+                collect_stream(backend, sample_request(i, p, max_tokens))
+                for i, p in enumerate(prompts)
+            )
         )
         rng = random.Random(1)
         pauses = 0
@@ -113,7 +116,7 @@ async def check_token_parity_pause(model: Path, n: int = 16, max_tokens: int = 4
 
         paused = await asyncio.gather(
             *(
-                _collect(backend, _request(i, p, max_tokens), maybe_pause)
+                collect_stream(backend, sample_request(i, p, max_tokens), maybe_pause)
                 for i, p in enumerate(prompts)
             )
         )
@@ -166,7 +169,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=DEVICE))
-    prompt = _prompts(engine.tokenizer, 3)[2]
+    prompt = sample_prompts(engine.tokenizer, 3)[2]
     engine.add_request(
         "m",
         prompt,
@@ -229,8 +232,8 @@ async def check_recompute_rescore(
     results: dict[str, Any] = {}
     for policy in ("recompute", "keep"):
         async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
-            prompt = _prompts(backend.tokenizer, 2)[1]
-            request = _request(0, prompt, max_tokens)
+            prompt = sample_prompts(backend.tokenizer, 2)[1]
+            request = sample_request(0, prompt, max_tokens)
             new_state = _perturbed(backend.engine.runner.state_dict())
             updated = asyncio.Event()
 
@@ -247,7 +250,7 @@ async def check_recompute_rescore(
                     await backend.load_weights(new_state)
                     await backend.resume()
 
-            ids, lps, versions = await _collect(backend, request, on_token)
+            ids, lps, versions = await collect_stream(backend, request, on_token)
             full = list(prompt) + ids
             cut = next(i for i, v in enumerate(versions) if v[0] == 1)
             rescored = (await backend.score(full))[len(prompt) + cut - 1 :]
@@ -278,7 +281,7 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     max_diff = 0.0
     same_greedy = True
-    for i, prompt in enumerate(_prompts(engine.tokenizer, 4)):
+    for i, prompt in enumerate(sample_prompts(engine.tokenizer, 4)):
         engine.add_request(
             f"g{i}",
             prompt,
@@ -310,10 +313,13 @@ async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResu
     from agentroll.backends.torch import TorchBackend
 
     async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
-        prompts = _prompts(backend.tokenizer, 32)
-        alone = await _collect(backend, _request(0, prompts[0], max_tokens))
+        prompts = sample_prompts(backend.tokenizer, 32)
+        alone = await collect_stream(backend, sample_request(0, prompts[0], max_tokens))
         together = await asyncio.gather(
-            *(_collect(backend, _request(i, p, max_tokens)) for i, p in enumerate(prompts))
+            *(
+                collect_stream(backend, sample_request(i, p, max_tokens))
+                for i, p in enumerate(prompts)
+            )
         )
     ok = alone[0] == together[0][0] and alone[1] == together[0][1]
     return CheckResult(

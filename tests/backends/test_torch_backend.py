@@ -66,7 +66,7 @@ async def test_errors_reach_only_their_request(tiny_model: Path) -> None:
             return [t async for c in backend.generate(req) for t in c.token_ids]
 
         results = await asyncio.gather(drain(ok), drain(bad), drain(oov), return_exceptions=True)
-        assert results[0] == results[0] and len(results[0]) == 8  # type: ignore[arg-type]
+        assert isinstance(results[0], list) and len(results[0]) == 8
         assert isinstance(results[1], BackendError) and "context length" in str(results[1])
         assert isinstance(results[2], BackendError) and "vocabulary" in str(results[2])
 
@@ -143,11 +143,11 @@ async def test_rollout_on_the_torch_backend_with_restart_mid_turn(tiny_model: Pa
 
 
 async def test_restart_resume_rolls_back_and_replays(tiny_model: Path) -> None:
-    from agentroll.validate import _collect, _request
+    from agentroll.validate import collect_stream, sample_request
 
     async with TorchBackend(tiny_model) as backend:
         prompt = backend.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-        ref = await _collect(backend, _request(0, prompt, 32))
+        ref = await collect_stream(backend, sample_request(0, prompt, 32))
         restarted = False
 
         async def on_token(n: int) -> None:
@@ -157,5 +157,5 @@ async def test_restart_resume_rolls_back_and_replays(tiny_model: Path) -> None:
                 await backend.pause("restart")
                 await backend.resume()
 
-        got = await _collect(backend, _request(0, prompt, 32), on_token)
+        got = await collect_stream(backend, sample_request(0, prompt, 32), on_token)
     assert restarted and got[0] == ref[0] and got[1] == ref[1]
