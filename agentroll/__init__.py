@@ -27,6 +27,7 @@ from agentroll.errors import (
     SandboxError,
     ToolCallParseError,
     ToolError,
+    WeightSyncError,
 )
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
@@ -85,6 +86,7 @@ __all__ = [
     "ToolSpec",
     "Trajectory",
     "Turn",
+    "WeightSyncError",
     "decode_json",
     "decode_msgpack",
     "encode_json",

@@ -40,6 +40,7 @@ EXPECTED = [
     "ToolSpec",
     "Trajectory",
     "Turn",
+    "WeightSyncError",
     "decode_json",
     "decode_msgpack",
     "encode_json",
