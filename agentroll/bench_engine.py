@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
@@ -41,7 +42,7 @@ async def _ours(
 
     async def one(rid: str, prompt: list[int], seed: int) -> list[int]:
         req = GenerationRequest(
-            request_id=rid, prompt_ids=prompt, sampling=msgspec_replace(params, seed=seed)
+            request_id=rid, prompt_ids=prompt, sampling=msgspec.structs.replace(params, seed=seed)
         )
         out: list[int] = []
         async for chunk in backend.generate(req):
@@ -67,12 +68,6 @@ async def _ours(
         await asyncio.gather(*(one(f"s{i}", p, i) for i, p in enumerate(turn2)))
         queries, hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
     return statistics.median(rates), hits / queries if queries else math.nan
-
-
-def msgspec_replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(params, **changes)
 
 
 def _hf(model: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -> float:

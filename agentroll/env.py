@@ -20,7 +20,7 @@ import pkgutil
 import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -28,8 +28,6 @@ from agentroll.errors import ConfigError
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.tool import INJECTED, Tool, format_tool_output, tool
 from agentroll.types import Message, Task, ToolSpec, Trajectory
-
-T = TypeVar("T")
 
 
 class EpisodeState:

@@ -37,10 +37,6 @@ class CheckResult:
         return f"check={self.name} status={'pass' if self.passed else 'fail'} {figs}".rstrip()
 
 
-#: the device every check runs the engine on (``agentroll validate --device``)
-DEVICE = "cpu"
-
-
 def ensure_tiny_model(path: str | Path | None = None) -> Path:
     """The tiny model directory (created on first use)."""
     from agentroll.model.tiny import create_tiny
@@ -91,10 +87,12 @@ async def collect_stream(
     return ids, lps, versions
 
 
-async def check_token_parity_pause(model: Path, n: int = 16, max_tokens: int = 48) -> CheckResult:
+async def check_token_parity_pause(
+    model: Path, n: int = 16, max_tokens: int = 48, device: str = "cpu"
+) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
+    async with TorchBackend(model, batch_invariant=True, device=device) as backend:
         prompts = sample_prompts(backend.tokenizer, n)
         reference = await asyncio.gather(
             *(
@@ -163,12 +161,14 @@ open(out, "wb").write(msgspec.msgpack.encode([ids, lps]))
 """
 
 
-def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 17) -> CheckResult:
+def check_token_parity_migrate(
+    model: Path, max_tokens: int = 40, split: int = 17, device: str = "cpu"
+) -> CheckResult:
     import msgspec
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=DEVICE))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=device))
     prompt = sample_prompts(engine.tokenizer, 3)[2]
     engine.add_request(
         "m",
@@ -190,7 +190,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
                 str(model),
                 snap,
                 out1,
-                DEVICE,
+                device,
                 ",".join(map(str, prompt)),
                 str(max_tokens),
                 str(split),
@@ -199,7 +199,7 @@ def check_token_parity_migrate(model: Path, max_tokens: int = 40, split: int = 1
             capture_output=True,
         )
         subprocess.run(
-            [*base, "second", str(model), snap, out2, DEVICE], check=True, capture_output=True
+            [*base, "second", str(model), snap, out2, device], check=True, capture_output=True
         )
         a = msgspec.msgpack.decode(Path(out1).read_bytes())
         b = msgspec.msgpack.decode(Path(out2).read_bytes())
@@ -225,13 +225,13 @@ def _perturbed(state: dict[str, torch.Tensor], seed: int = 3) -> dict[str, torch
 
 
 async def check_recompute_rescore(
-    model: Path, max_tokens: int = 40, pause_after: int = 12
+    model: Path, max_tokens: int = 40, pause_after: int = 12, device: str = "cpu"
 ) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
     results: dict[str, Any] = {}
     for policy in ("recompute", "keep"):
-        async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
+        async with TorchBackend(model, batch_invariant=True, device=device) as backend:
             prompt = sample_prompts(backend.tokenizer, 2)[1]
             request = sample_request(0, prompt, max_tokens)
             new_state = _perturbed(backend.engine.runner.state_dict())
@@ -271,13 +271,13 @@ async def check_recompute_rescore(
     return CheckResult("recompute_rescore", recompute_ok and keep_ok, figures)
 
 
-def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
+def check_reference_parity(model: Path, max_tokens: int = 32, device: str = "cpu") -> CheckResult:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     from agentroll.engine.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=DEVICE))
+    engine = LLMEngine(EngineConfig(model=str(model), batch_invariant=True, device=device))
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     max_diff = 0.0
     same_greedy = True
@@ -309,10 +309,12 @@ def check_reference_parity(model: Path, max_tokens: int = 32) -> CheckResult:
     )
 
 
-async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResult:
+async def check_batch_invariance(
+    model: Path, max_tokens: int = 32, device: str = "cpu"
+) -> CheckResult:
     from agentroll.backends.torch import TorchBackend
 
-    async with TorchBackend(model, batch_invariant=True, device=DEVICE) as backend:
+    async with TorchBackend(model, batch_invariant=True, device=device) as backend:
         prompts = sample_prompts(backend.tokenizer, 32)
         alone = await collect_stream(backend, sample_request(0, prompts[0], max_tokens))
         together = await asyncio.gather(
@@ -335,14 +337,12 @@ async def check_batch_invariance(model: Path, max_tokens: int = 32) -> CheckResu
 
 def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
     """All checks, in order, with the engine on ``device``."""
-    global DEVICE
-    DEVICE = device
     out = [
-        asyncio.run(check_token_parity_pause(model)),
-        check_token_parity_migrate(model),
-        asyncio.run(check_recompute_rescore(model)),
-        check_reference_parity(model),
-        asyncio.run(check_batch_invariance(model)),
+        asyncio.run(check_token_parity_pause(model, device=device)),
+        check_token_parity_migrate(model, device=device),
+        asyncio.run(check_recompute_rescore(model, device=device)),
+        check_reference_parity(model, device=device),
+        asyncio.run(check_batch_invariance(model, device=device)),
     ]
     for r in out:
         if not r.passed:

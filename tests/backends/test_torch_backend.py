@@ -115,22 +115,34 @@ class Echo(Environment):
 async def test_rollout_on_the_torch_backend_with_restart_mid_turn(tiny_model: Path) -> None:
     """Episodes run on the real engine; a restart resume in the middle of generation rolls
     back the partial turn and the trajectory stays token-in-token-out."""
-    async with TorchBackend(tiny_model) as backend:
+    first_token = asyncio.Event()
+
+    class Signalling(TorchBackend):
+        async def generate(self, request: GenerationRequest):  # type: ignore[no-untyped-def,override]
+            async for chunk in super().generate(request):
+                first_token.set()
+                yield chunk
+
+    async with Signalling(tiny_model) as backend:
         cfg = RolloutConfig(
             concurrency=4, progress="off", sampling=SamplingParams(temperature=1.0, max_tokens=48)
         )
         tasks = [Task(id=f"t{i}", data={"prompt": f"say something {i}"}) for i in range(4)]
 
+        restarted_streams = 0
+
         async def disturb() -> None:
-            await asyncio.sleep(0.2)
+            nonlocal restarted_streams
+            await first_token.wait()  # restart while generations are in flight
             await backend.pause("restart")
+            restarted_streams = len(backend._streams)
             await backend.resume()
 
         async with RolloutEngine(backend, Echo(), cfg) as engine:
             disturber = asyncio.create_task(disturb())
             trajs = [t async for t in engine.run(tasks)]
             await disturber
-    assert len(trajs) == 4
+    assert len(trajs) == 4 and restarted_streams > 0
     for t in trajs:
         assert t.status in ("ok", "truncated"), t.error
         gen = t.loss_mask.astype(bool)
