@@ -1,10 +1,13 @@
 """The asyncio episode engine: many multi-turn, tool-using episodes at once.
 
-Invariants (DESIGN.md 1, 2, 6, 8): the prompt is rendered once and every later request's
+Invariants (DESIGN.md 1-3, 6, 8): the prompt is rendered once and every later request's
 prompt is the trajectory so far (sampled ids appended verbatim, environment replies rendered
 incrementally); ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
 ``failed`` trajectory and never cancels its siblings; cancellation propagates and sandboxes
 are closed shielded from it; every worker task belongs to the engine's task group.
+``pause`` / ``resume`` (agentroll.pause) are invisible to environment code: a turn waits at
+the gate, a generation waits in the backend, deadlines exclude paused time; ``checkpoint``
+writes every in-flight episode at a quiescent point so another process can finish it.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from agentroll.backends.base import Backend, GenerationRequest, SamplingParams
+from agentroll.backends.base import Backend, GenerationRequest, ResumePolicy, SamplingParams
 from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
+from agentroll.checkpoint import EpisodeCheckpoint, EpisodeRun, make_checkpoint
 from agentroll.env import Environment, EpisodeState, call_hook
 from agentroll.errors import BackendError, ConfigError, GenerationTimeout
+from agentroll.pause import EpisodeView, PauseController, PolicyFn
 from agentroll.progress import Progress, ProgressMode
 from agentroll.sandbox.base import Sandbox, open_sandbox
 from agentroll.tool import call_tool
@@ -134,7 +140,9 @@ class RolloutEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._workers: set[asyncio.Task[None]] = set()
-        self.stats = {"episodes": 0, "failed": 0, "turns": 0}
+        self._live: dict[str, EpisodeRun] = {}
+        self.pauses = PauseController(backend, self._views)
+        self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0}
 
     async def __aenter__(self) -> RolloutEngine:
         self._executor = ThreadPoolExecutor(
@@ -159,19 +167,115 @@ class RolloutEngine:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
+    # -- pause, resume, checkpoint (agentroll.pause, agentroll.checkpoint) -----------------
+
+    def _views(self) -> list[EpisodeView]:
+        version = self.backend.policy_version
+        views = []
+        for run in self._live.values():
+            if run.phase != "generating":
+                continue
+            min_pol, min_kv = run.min_versions()
+            views.append(
+                EpisodeView(
+                    episode_id=run.episode_id,
+                    request_id=run.request_id,
+                    turn=run.next_turn,
+                    tokens_generated=len(run.builder) - run.gen_start,
+                    min_policy_version=min_pol,
+                    min_kv_version=min_kv,
+                    policy_version=version,
+                )
+            )
+        return views
+
+    @property
+    def paused(self) -> bool:
+        return self.pauses.paused
+
+    async def pause(self, policy: ResumePolicy | PolicyFn = "keep") -> None:
+        """Stop every episode: generations at a token boundary, no new turn starts; tool
+        calls already running finish.  ``policy`` (a name, or a function of an
+        ``EpisodeView``) picks each paused generation's resume policy at ``resume``."""
+        await self.pauses.pause(policy)
+
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> float:
+        """Continue every episode where it stopped; returns the seconds spent paused."""
+        return await self.pauses.resume(policies)
+
+    async def sync(self, update: Any, *, policy: ResumePolicy | PolicyFn = "keep") -> float:
+        """Pause, apply a ``WeightUpdate`` to the backend, resume; returns the pause length.
+        A refused update raises ``WeightSyncError`` after resuming on the old weights."""
+        await self.pause(policy)
+        try:
+            await self.backend.apply(update)
+        finally:
+            paused_for = await self.resume()
+        return paused_for
+
+    def _quiescent(self, run: EpisodeRun, inflight: set[str] | None) -> bool:
+        if run.phase == "turn":
+            return True
+        if run.phase == "generating":
+            return inflight is None or run.request_id in inflight
+        return False
+
+    async def quiesce(self, timeout: float | None = 60.0) -> None:
+        """While paused, wait until every live episode is at the turn gate or has its
+        generation paused in the backend (running tool calls and scoring finish first)."""
+        if not self.paused:
+            raise RuntimeError("quiesce() needs the engine paused; call `await engine.pause()`")
+        probe = getattr(self.backend, "inflight", None)
+        async with asyncio.timeout(timeout):
+            while True:
+                inflight = set(probe()) if probe is not None else None
+                if all(self._quiescent(r, inflight) for r in self._live.values()):
+                    return
+                await asyncio.sleep(0.005)
+
+    async def checkpoint(
+        self, directory: str | Path, *, with_kv: bool = True, timeout: float | None = 60.0
+    ) -> list[Path]:
+        """Write an ``EpisodeCheckpoint`` of every live episode under ``directory`` (one
+        sub-directory per episode).  The engine must be paused; it stays paused."""
+        await self.quiesce(timeout)
+        out = Path(directory)
+        await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+        snapshot = getattr(self.backend, "snapshot", None)
+        paths = []
+        for run in list(self._live.values()):
+            blob = await run.sandbox.snapshot() if run.sandbox is not None else None
+            pending = None
+            if run.phase == "generating" and snapshot is not None:
+                snap = await snapshot(run.request_id, with_kv=with_kv)
+                pending = snap.truncated(len(run.builder) - run.gen_start)
+            cp = make_checkpoint(run, sandbox_blob=blob, pending=pending)
+            paths.append(await asyncio.to_thread(cp.save, out / run.episode_id))
+        return paths
+
     # -- running many episodes ------------------------------------------------------------
 
-    def _jobs(self, tasks: Iterable[Task]) -> Iterator[tuple[Task, int, str]]:
+    def _jobs(
+        self, tasks: Iterable[Task], checkpoints: Iterable[EpisodeCheckpoint]
+    ) -> Iterator[tuple[Task, int, str, EpisodeCheckpoint | None]]:
+        for cp in checkpoints:
+            yield cp.task, cp.sample_index, cp.group_id, cp
         for task in tasks:
             group = new_id()
             for i in range(self.config.samples_per_task):
-                yield task, i, group
+                yield task, i, group, None
 
     async def run(
-        self, tasks: Iterable[Task] | None = None, *, total: int | None = None
+        self,
+        tasks: Iterable[Task] | None = None,
+        *,
+        total: int | None = None,
+        checkpoints: Iterable[EpisodeCheckpoint] = (),
     ) -> AsyncIterator[Trajectory]:
         """Run every task ``samples_per_task`` times; yield trajectories as they finish
-        (a whole group at once when the environment has group rewards).
+        (a whole group at once when the environment has group rewards).  ``checkpoints``
+        (from ``checkpoint``, maybe in another process) are continued first; pass
+        ``tasks=[]`` to run only them.
 
         Leaving the loop early cancels the episodes still running.
         """
@@ -179,17 +283,20 @@ class RolloutEngine:
             raise RuntimeError("use `async with RolloutEngine(...) as engine` before run()")
         if tasks is None:
             tasks = self.env.tasks()
+        checkpoints = list(checkpoints)
         if total is None and hasattr(tasks, "__len__"):
-            total = len(tasks) * self.config.samples_per_task  # type: ignore[arg-type]
-        jobs = self._jobs(tasks)
+            total = len(tasks) * self.config.samples_per_task + len(checkpoints)  # type: ignore[arg-type]
+        jobs = self._jobs(tasks, checkpoints)
         results: asyncio.Queue[_Outcome | BaseException | None] = asyncio.Queue(
             maxsize=2 * self.config.concurrency
         )
 
         async def worker() -> None:
             try:
-                for task, index, group in jobs:
-                    outcome = await self.run_episode(task, sample_index=index, group_id=group)
+                for task, index, group, cp in jobs:
+                    outcome = await self.run_episode(
+                        task, sample_index=index, group_id=group, checkpoint=cp
+                    )
                     await results.put(outcome)
             except asyncio.CancelledError:
                 raise  # the consumer is gone or leaving: nobody waits for a sentinel
@@ -247,70 +354,57 @@ class RolloutEngine:
     # -- one episode -------------------------------------------------------------------------
 
     async def run_episode(
-        self, task: Task, *, sample_index: int = 0, group_id: str | None = None
+        self,
+        task: Task,
+        *,
+        sample_index: int = 0,
+        group_id: str | None = None,
+        checkpoint: EpisodeCheckpoint | None = None,
     ) -> _Outcome:
-        """Run one episode to completion.  Never raises for episode failures (they are on
-        the trajectory); raises only ``CancelledError``."""
+        """Run one episode to completion (or continue ``checkpoint``).  Never raises for
+        episode failures (they are on the trajectory); raises only ``CancelledError``."""
         cfg = self.config
         env = self.env.spawn()
-        episode_id = new_id()
-        seed = episode_seed(cfg.seed, task.id, sample_index)
-        state = EpisodeState(task, seed=seed, episode_id=episode_id, sample_index=sample_index)
-        builder = TrajectoryBuilder()
-        turns: list[Turn] = []
-        messages: list[Message] = []
-        status: Status = "ok"
-        stop_reason = ""
-        prompt_len = 0
-        started = now()
-        sandbox: Sandbox | None = None
-        traj: Trajectory | None = None
-
-        def build() -> Trajectory:
-            return builder.fill(
-                Trajectory(
-                    id=episode_id,
-                    task_id=task.id,
-                    group_id=group_id or episode_id,
-                    sample_index=sample_index,
-                    seed=seed,
-                    env_name=env.name,
-                    env_version=env.version,
-                    backend=self.backend.name,
-                    status=status,
-                    stop_reason=stop_reason,
-                    prompt_len=prompt_len,
-                    turns=turns,
-                    messages=messages,
-                    started_at=started,
-                    metrics={
-                        "gen_seconds": sum(t.gen_seconds for t in turns),
-                        "tool_seconds": sum(t.tool_seconds for t in turns),
-                        "env_seconds": sum(t.env_seconds for t in turns),
-                    },
-                )
+        if checkpoint is not None:
+            cp = checkpoint
+            env.load_state_dict(cp.env_state)
+            state = EpisodeState(
+                cp.task, seed=cp.seed, episode_id=cp.episode_id, sample_index=cp.sample_index
             )
-
+            state.data = dict(cp.state_data)
+            run = EpisodeRun(env, state, cp.group_id, cp.started_at)
+        else:
+            episode_id = new_id()
+            seed = episode_seed(cfg.seed, task.id, sample_index)
+            state = EpisodeState(task, seed=seed, episode_id=episode_id, sample_index=sample_index)
+            run = EpisodeRun(env, state, group_id or episode_id, now())
+        self._live[state.episode_id] = run
+        traj: Trajectory | None = None
         error: str | None = None
         timer = asyncio.timeout(cfg.episode_timeout)
         try:
             async with timer:
+                self.pauses.timeouts.add(timer)
                 if env.sandbox_config is not None:
-                    sandbox = open_sandbox(env.sandbox_config)
-                    await sandbox.start()
-                    state.sandbox = sandbox
-                messages.extend(
-                    await call_hook(env.reset, task, seed=seed, executor=self._executor)
-                )
-                state.messages = messages
-                prompt = await self._prompt_ids(messages)
-                builder.add_context(prompt)
-                prompt_len = len(prompt)
-                status, stop_reason = await self._turns(env, state, builder, turns, messages)
-                traj = build()
+                    run.sandbox = open_sandbox(env.sandbox_config)
+                    await run.sandbox.start()
+                    state.sandbox = run.sandbox
+                if checkpoint is not None:
+                    await self._restore_run(run, checkpoint)
+                else:
+                    run.messages.extend(
+                        await call_hook(env.reset, task, seed=state.seed, executor=self._executor)
+                    )
+                    state.messages = run.messages
+                    prompt = await self._prompt_ids(run.messages)
+                    run.builder.add_context(prompt)
+                    run.prompt_len = len(prompt)
+                run.status, run.stop_reason = await self._turns(run)
+                run.phase = "scoring"
+                traj = self._build(run)
                 await self._score(env, state, traj)
         except TimeoutError as exc:
-            stop_reason = "timeout"
+            run.stop_reason = "timeout"
             error = (
                 f"EpisodeTimeout: episode exceeded {cfg.episode_timeout}s"
                 if timer.expired()
@@ -319,23 +413,79 @@ class RolloutEngine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            stop_reason = stop_reason or "error"
+            run.stop_reason = run.stop_reason or "error"
             error = f"{type(exc).__name__}: {exc}"
-            logger.debug("episode %s failed", episode_id, exc_info=True)
+            logger.debug("episode %s failed", state.episode_id, exc_info=True)
         finally:
-            if sandbox is not None:
-                await close_shielded(sandbox)
+            run.phase = "done"
+            self.pauses.timeouts.discard(timer)
+            self._live.pop(state.episode_id, None)
+            self.backend.end_episode(state.episode_id)
+            if run.sandbox is not None:
+                await close_shielded(run.sandbox)
         if traj is None:
-            traj = build()
+            traj = self._build(run)
         if error is not None:
-            traj.status, traj.error, traj.stop_reason = "failed", error, stop_reason
+            traj.status, traj.error, traj.stop_reason = "failed", error, run.stop_reason
         traj.finished_at = now()
         if not cfg.keep_messages:
             traj.messages = []
         self.stats["episodes"] += 1
         self.stats["failed"] += error is not None
-        self.stats["turns"] += len(turns)
+        self.stats["turns"] += len(run.turns)
         return _Outcome(traj, env, state)
+
+    def _build(self, run: EpisodeRun) -> Trajectory:
+        st, turns = run.state, run.turns
+        return run.builder.fill(
+            Trajectory(
+                id=st.episode_id,
+                task_id=st.task.id,
+                group_id=run.group_id,
+                sample_index=st.sample_index,
+                seed=st.seed,
+                env_name=run.env.name,
+                env_version=run.env.version,
+                backend=self.backend.name,
+                status=run.status,
+                stop_reason=run.stop_reason,
+                prompt_len=run.prompt_len,
+                turns=turns,
+                messages=run.messages,
+                started_at=run.started,
+                metrics={
+                    "gen_seconds": sum(t.gen_seconds for t in turns),
+                    "tool_seconds": sum(t.tool_seconds for t in turns),
+                    "env_seconds": sum(t.env_seconds for t in turns),
+                    "restarted_turns": float(run.restarted_turns),
+                },
+            )
+        )
+
+    async def _restore_run(self, run: EpisodeRun, cp: EpisodeCheckpoint) -> None:
+        """Load a checkpoint's trajectory, sandbox and pending generation into ``run``."""
+        if cp.env_name != run.env.name:
+            raise ConfigError(
+                f"checkpoint of episode {cp.episode_id} is for environment {cp.env_name!r}, "
+                f"not {run.env.name!r}; load it with the environment that wrote it"
+            )
+        if cp.sandbox is not None:
+            if run.sandbox is None:
+                raise ConfigError(
+                    f"checkpoint of episode {cp.episode_id} has a sandbox snapshot but the "
+                    "environment has no sandbox_config"
+                )
+            await run.sandbox.restore(cp.sandbox)
+        run.builder = cp.builder()
+        run.turns = list(cp.turns)
+        run.messages = list(cp.messages)
+        run.state.messages = run.messages
+        run.prompt_len = cp.prompt_len
+        run.format_errors = cp.format_errors
+        run.next_turn = cp.next_turn
+        if cp.phase == "generating":
+            run.request_id, run.gen_start, run.sampling = cp.request_id, cp.gen_start, cp.sampling
+            run.pending = cp.pending
 
     async def _prompt_ids(self, messages: list[Message]) -> list[int]:
         tok = self.tokenizer
@@ -346,119 +496,159 @@ class RolloutEngine:
             )
         return tok.encode(text)
 
-    async def _turns(
-        self,
-        env: Environment,
-        state: EpisodeState,
-        builder: TrajectoryBuilder,
-        turns: list[Turn],
-        messages: list[Message],
-    ) -> tuple[Status, str]:
-        """The turn loop; returns (status, stop_reason)."""
+    async def _turns(self, run: EpisodeRun) -> tuple[Status, str]:
+        """The turn loop, from ``run.next_turn``; returns (status, stop_reason)."""
         cfg = self.config
-        tok = self.tokenizer
-        format_errors = 0
-        for index in range(env.max_turns):
-            state.turn = index
-            max_tokens = cfg.sampling.max_tokens
+        env, state, builder = run.env, run.state, run.builder
+        gate = self.pauses.gate
+        for index in range(run.next_turn, env.max_turns):
+            state.turn = run.next_turn = index
+            run.phase = "turn"
+            if not gate.is_open:
+                await gate.wait()
             budget_bound = False
-            if env.max_total_tokens is not None:
-                remaining = env.max_total_tokens - len(builder)
-                if remaining <= 0:
-                    return "truncated", "token_budget"
-                budget_bound = remaining < max_tokens
-                max_tokens = min(max_tokens, remaining)
-            sampling = msgspec.structs.replace(
-                cfg.sampling,
-                seed=(state.seed + index) & 0x7FFF_FFFF_FFFF_FFFF,
-                max_tokens=max_tokens,
-            )
+            if run.pending is not None:  # continuing a checkpoint taken mid-generation
+                gen_start = run.gen_start
+                sampling = run.sampling or cfg.sampling
+                request_id = run.request_id
+            else:
+                max_tokens = cfg.sampling.max_tokens
+                if env.max_total_tokens is not None:
+                    remaining = env.max_total_tokens - len(builder)
+                    if remaining <= 0:
+                        return "truncated", "token_budget"
+                    budget_bound = remaining < max_tokens
+                    max_tokens = min(max_tokens, remaining)
+                sampling = msgspec.structs.replace(
+                    cfg.sampling,
+                    seed=(state.seed + index) & 0x7FFF_FFFF_FFFF_FFFF,
+                    max_tokens=max_tokens,
+                )
+                gen_start = len(builder)
+                request_id = f"{state.episode_id}-{index}"
             request = GenerationRequest(
-                request_id=f"{state.episode_id}-{index}",
-                prompt_ids=builder.token_ids[:],  # a copy: the backend may keep it
+                request_id=request_id,
+                prompt_ids=builder.token_ids[:gen_start],  # a copy: the backend may keep it
                 sampling=sampling,
                 episode_id=state.episode_id,
                 turn_index=index,
             )
-            gen_start = len(builder)
             t0 = time.perf_counter()
-            finish = await self._generate(request, builder)
-            t1 = time.perf_counter()
-            sampled = builder.token_ids[gen_start:]
-            ended_eot = bool(sampled) and sampled[-1] == tok.eot_id
-            text = tok.decode(sampled[:-1] if ended_eot else sampled)
-            parsed = self.parser.parse(text, call_id_prefix=f"call_{index}")
-            # With a malformed call the message keeps the raw text: that is what the model saw.
-            content = text if parsed.errors else parsed.content
-            messages.append(
-                Message(role="assistant", content=content, tool_calls=parsed.tool_calls)
+            finish = await self._generate(request, run)
+            ended = await self._after_generation(
+                run, index, gen_start, finish, time.perf_counter() - t0, budget_bound
             )
-            turn = Turn(
-                index=index,
-                gen_start=gen_start,
-                gen_end=len(builder),
-                env_end=len(builder),
-                finish_reason=finish,
-                text=parsed.content,
-                tool_calls=parsed.tool_calls,
-                gen_seconds=t1 - t0,
-            )
-            turns.append(turn)
-            if finish == "length":
-                return "truncated", "token_budget" if budget_bound else "length"
-            if finish == "abort":
-                return "failed", "abort"
-            if parsed.tool_calls or parsed.errors:
-                results = await self._run_tools(env, parsed, state)
-                turn.tool_results = results
-                turn.tool_seconds = time.perf_counter() - t1
-                bad = parsed.errors or any(
-                    r.error in ("unknown_tool", "bad_arguments") for r in results
-                )
-                if bad:
-                    turn.format_error = "; ".join(
-                        r.content
-                        for r in results
-                        if r.error in ("parse", "unknown_tool", "bad_arguments")
-                    )
-                format_errors = format_errors + 1 if bad else 0
-                new = [
-                    Message(role="tool", content=r.content, tool_call_id=r.call_id, name=r.name)
-                    for r in results
-                ]
-                if format_errors >= env.max_format_errors:
-                    return "ok", "format_errors"
-            else:
-                format_errors = 0
-                reply = await call_hook(env.env_response, messages, state, executor=self._executor)
-                turn.env_seconds = time.perf_counter() - t1
-                if reply is None:
-                    return "ok", "no_tool_call"
-                new = list(reply)
-            if env.is_done(state):
-                return "ok", "env_done"
-            if index == env.max_turns - 1:
-                return "truncated", "max_turns"
-            cont = tok.continuation_ids(new, ended_with_eot=ended_eot)
-            if (
-                env.max_total_tokens is not None
-                and len(builder) + len(cont) >= env.max_total_tokens
-            ):
-                return "truncated", "token_budget"  # no room left to generate after the reply
-            builder.add_context(cont)
-            messages.extend(new)
-            turn.env_end = len(builder)
+            if ended is not None:
+                return ended
         return "truncated", "max_turns"  # max_turns == 0
 
-    async def _generate(
-        self, request: GenerationRequest, builder: TrajectoryBuilder
-    ) -> FinishReason:
+    async def _after_generation(
+        self,
+        run: EpisodeRun,
+        index: int,
+        gen_start: int,
+        finish: FinishReason,
+        gen_seconds: float,
+        budget_bound: bool,
+    ) -> tuple[Status, str] | None:
+        """Parse the turn, run its tools or the environment's reply and append the reply;
+        returns (status, stop_reason) when the episode ends here."""
+        tok = self.tokenizer
+        env, state, builder, messages = run.env, run.state, run.builder, run.messages
+        run.phase = "tools"
+        t1 = time.perf_counter()
+        sampled = builder.token_ids[gen_start:]
+        ended_eot = bool(sampled) and sampled[-1] == tok.eot_id
+        text = tok.decode(sampled[:-1] if ended_eot else sampled)
+        parsed = self.parser.parse(text, call_id_prefix=f"call_{index}")
+        # With a malformed call the message keeps the raw text: that is what the model saw.
+        content = text if parsed.errors else parsed.content
+        messages.append(Message(role="assistant", content=content, tool_calls=parsed.tool_calls))
+        turn = Turn(
+            index=index,
+            gen_start=gen_start,
+            gen_end=len(builder),
+            env_end=len(builder),
+            finish_reason=finish,
+            text=parsed.content,
+            tool_calls=parsed.tool_calls,
+            gen_seconds=gen_seconds,
+        )
+        run.turns.append(turn)
+        if finish == "length":
+            return "truncated", "token_budget" if budget_bound else "length"
+        if finish == "abort":
+            return "failed", "abort"
+        if parsed.tool_calls or parsed.errors:
+            results = await self._run_tools(env, parsed, state)
+            turn.tool_results = results
+            turn.tool_seconds = time.perf_counter() - t1
+            bad = parsed.errors or any(
+                r.error in ("unknown_tool", "bad_arguments") for r in results
+            )
+            if bad:
+                turn.format_error = "; ".join(
+                    r.content
+                    for r in results
+                    if r.error in ("parse", "unknown_tool", "bad_arguments")
+                )
+            run.format_errors = run.format_errors + 1 if bad else 0
+            new = [
+                Message(role="tool", content=r.content, tool_call_id=r.call_id, name=r.name)
+                for r in results
+            ]
+            if run.format_errors >= env.max_format_errors:
+                return "ok", "format_errors"
+        else:
+            run.format_errors = 0
+            reply = await call_hook(env.env_response, messages, state, executor=self._executor)
+            turn.env_seconds = time.perf_counter() - t1
+            if reply is None:
+                return "ok", "no_tool_call"
+            new = list(reply)
+        if env.is_done(state):
+            return "ok", "env_done"
+        if index == env.max_turns - 1:
+            return "truncated", "max_turns"
+        cont = tok.continuation_ids(new, ended_with_eot=ended_eot)
+        if env.max_total_tokens is not None and len(builder) + len(cont) >= env.max_total_tokens:
+            return "truncated", "token_budget"  # no room left to generate after the reply
+        builder.add_context(cont)
+        messages.extend(new)
+        turn.env_end = len(builder)
+        run.next_turn = index + 1
+        return None
+
+    def _stream(self, request: GenerationRequest, run: EpisodeRun) -> AsyncIterator[Any]:
+        """The backend stream of ``request``: continued from ``run.pending`` when the episode
+        was checkpointed mid-generation and the backend can restore it, else from the start
+        of the turn (the partial turn is dropped and regenerated)."""
+        pending, run.pending = run.pending, None
+        if pending is not None:
+            restore = getattr(self.backend, "restore", None)
+            if restore is not None:
+                return restore(pending)
+            run.builder.truncate(run.gen_start)
+            run.restarted_turns += 1
+            self.stats["restarted_turns"] += 1
+        return self.backend.generate(request)
+
+    async def _generate(self, request: GenerationRequest, run: EpisodeRun) -> FinishReason:
+        builder = run.builder
+        run.request_id, run.gen_start, run.sampling = (
+            request.request_id,
+            len(request.prompt_ids),
+            request.sampling,
+        )
+        run.phase = "generating"
         finish: FinishReason | None = None
         timeout = self.config.generation_timeout
         cm = asyncio.timeout(timeout) if timeout is not None else contextlib.nullcontext()
         try:
             async with cm:
-                async for chunk in self.backend.generate(request):
+                if isinstance(cm, asyncio.Timeout):
+                    self.pauses.timeouts.add(cm)
+                async for chunk in self._stream(request, run):
                     if chunk.rollback:
                         keep = len(builder) - chunk.rollback
                         if keep < len(request.prompt_ids):
@@ -475,6 +665,9 @@ class RolloutEngine:
             if isinstance(cm, asyncio.Timeout) and cm.expired():
                 raise GenerationTimeout(f"generation exceeded {timeout}s") from exc
             raise
+        finally:
+            if isinstance(cm, asyncio.Timeout):
+                self.pauses.timeouts.discard(cm)
         if finish is None:
             raise GenerationTimeout("backend stream ended without a finish_reason")
         return finish

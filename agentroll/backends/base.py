@@ -10,7 +10,7 @@ those of the distribution actually sampled from.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import msgspec
@@ -99,13 +99,17 @@ class Backend(abc.ABC):
         """Stop sampling at a token boundary; in-flight requests wait.  Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot pause")
 
-    async def resume(self) -> None:
-        """Continue after ``pause``."""
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        """Continue after ``pause``.  ``policies`` overrides the pause policy per request id
+        (a request not named gets the policy given to ``pause``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot resume")
 
     async def apply(self, update: Any) -> None:
         """Apply a ``WeightUpdate``.  Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot apply weight updates")
+
+    def end_episode(self, episode_id: str) -> None:  # noqa: B027 - optional hook
+        """The episode will send no more requests (routers drop its affinity and pin)."""
 
     async def __aenter__(self) -> Self:
         await self.start()

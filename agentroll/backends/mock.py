@@ -9,7 +9,7 @@ request gets the same tokens and logprobs; ``max_tokens`` truncates with finish 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -116,8 +116,8 @@ class MockBackend(Backend):
         self.events.append(("pause", policy))
         self._running.clear()
 
-    async def resume(self) -> None:
-        self.events.append(("resume", None))
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        self.events.append(("resume", dict(policies) if policies else None))
         self._running.set()
 
     async def apply(self, update: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -264,17 +264,30 @@ class TorchBackend(Backend):
         self._apply_commands()
         self.engine.pause_all()
 
-    async def resume(self) -> None:
-        """Continue every paused request under the policy given to ``pause``."""
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        """Continue every paused request under the policy given to ``pause``, or the one
+        ``policies`` names for its request id."""
         if not self._paused:
             return
-        rollback = self.engine.resume_all(self._policy)
+        rollback = self.engine.resume_all(self._policy, policies)
         for request_id, n in rollback.items():
             stream = self._streams.get(request_id)
             if stream is not None and n:
                 stream.put_nowait(_Rollback(n))
         self._paused = False
         self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def inflight(self) -> dict[str, int]:
+        """Tokens generated so far by each unfinished request (exact while paused)."""
+        return {
+            rid: req.seq.num_generated
+            for rid, req in self.engine.requests.items()
+            if not req.seq.is_finished
+        }
 
     def _require_paused(self, what: str) -> None:
         if not self._paused:

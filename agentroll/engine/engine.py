@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -105,6 +106,33 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
     model_fingerprint: str
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def truncated(self, num_generated: int) -> RequestSnapshot:
+        """This snapshot as it was after ``num_generated`` sampled tokens (a consumer that
+        received fewer tokens than the engine sampled continues from what it has; the
+        dropped tail is re-sampled identically since sampling is counter-based)."""
+        if not 0 <= num_generated <= self.num_generated:
+            raise ValueError(f"cannot truncate {self.num_generated} tokens to {num_generated}")
+        if num_generated == self.num_generated:
+            return self
+        n_tokens = self.num_prompt_tokens + num_generated
+        computed = min(self.num_computed_tokens, n_tokens - 1)
+        k = v = None
+        if self.k is not None and self.v is not None and computed > 0:
+            n_blocks = -(-computed // self.block_size)
+            k, v = self.k[:, :n_blocks], self.v[:, :n_blocks]
+        return msgspec.structs.replace(
+            self,
+            token_ids=self.token_ids[:n_tokens],
+            logprobs=self.logprobs[:num_generated],
+            num_computed_tokens=computed if k is not None else 0,
+            k=k,
+            v=v,
+        )
 
     def save(self, path: str | Path) -> Path:
         """Write ``path/meta.msgpack`` and ``path/kv.safetensors`` (atomically: temp + rename)."""
@@ -376,12 +404,17 @@ class LLMEngine:
         """Take every request out of scheduling, keeping its KV.  Call between steps."""
         return [s.seq_id for s in self.scheduler.pause_all()]
 
-    def resume_all(self, policy: ResumePolicy = "keep") -> dict[str, int]:
-        """Resume every paused request under ``policy``; returns, per request, how many
-        already-delivered tokens it drops (non-zero only for ``restart``)."""
+    def resume_all(
+        self, policy: ResumePolicy = "keep", policies: Mapping[str, ResumePolicy] | None = None
+    ) -> dict[str, int]:
+        """Resume every paused request under ``policy`` (or its entry in ``policies``);
+        returns, per request, how many already-delivered tokens it drops (non-zero only for
+        ``restart``)."""
         rollback: dict[str, int] = {}
         for seq_id in list(self.scheduler.paused):
             req = self.requests[seq_id]
+            if policies:
+                policy = policies.get(seq_id, policy)
             if policy == "recompute":
                 self.scheduler.recompute(seq_id)
             elif policy == "restart":
