@@ -31,7 +31,7 @@ lint: $(STAMP)
 
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
 test: $(STAMP) services lint
-	AGENTROLL_REQUIRE=bwrap $(BIN)/pytest -q -ra
+	AGENTROLL_REQUIRE=bwrap,ray $(BIN)/pytest -q -ra
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x $(PYTEST_FAST)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -82,6 +83,9 @@ class TorchBackend(Backend):
         self._paused = False
         self._policy: ResumePolicy = "keep"
         self._failure: BaseException | None = None
+        self.busy_seconds = 0.0  # wall time spent in engine steps
+        self.steps = 0
+        self._staged: Any = None
 
     @property
     def policy_version(self) -> int:
@@ -124,11 +128,14 @@ class TorchBackend(Backend):
                     self._wake.clear()
                     continue
                 self._idle.clear()
+                t0 = time.perf_counter()
                 try:
                     outputs = await asyncio.shield(
                         loop.run_in_executor(self._executor, engine.step)
                     )
                 finally:
+                    self.busy_seconds += time.perf_counter() - t0
+                    self.steps += 1
                     self._idle.set()
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
@@ -314,6 +321,44 @@ class TorchBackend(Backend):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.engine.apply_update, update)
 
+    def staging_bytes(self, update: Any) -> int:
+        """Memory a background ``stage`` of ``update`` needs."""
+        return int(self.engine.weight_store().staging_bytes(update))
+
+    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+        """Verify ``update`` into a second copy of the touched tensors while generation goes
+        on (on a separate thread; the live weights are only read).  Refused with
+        ``WeightSyncError`` when the copy needs more than ``max_bytes`` (default: the memory
+        available on the weights' device, less 10%)."""
+        from agentroll.errors import WeightSyncError
+
+        need = self.staging_bytes(update)
+        limit = available_bytes(self.engine.runner.device) if max_bytes is None else max_bytes
+        if need > limit:
+            raise WeightSyncError(
+                f"a background update needs {need / 2**20:.1f} MiB for its second copy but "
+                f"only {limit / 2**20:.1f} MiB may be used; use the pause or rolling strategy"
+            )
+        self._staged = await asyncio.to_thread(self.engine.stage_update, update)
+
+    async def swap(self) -> int:
+        """Install the staged update at a token boundary (a pause of one memcpy); returns
+        the new version.  In-flight requests keep their KV (``keep``)."""
+        if self._staged is None:
+            raise BackendError("nothing is staged; call `await backend.stage(update)` first")
+        staged, self._staged = self._staged, None
+        was_paused = self._paused
+        if not was_paused:
+            await self.pause("keep")
+        try:
+            loop = asyncio.get_running_loop()
+            return int(
+                await loop.run_in_executor(self._executor, self.engine.commit_staged, staged)
+            )
+        finally:
+            if not was_paused:
+                await self.resume()
+
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
         """A ``RequestSnapshot`` of a request, taken while paused."""
         self._require_paused("snapshot")
@@ -341,3 +386,20 @@ class TorchBackend(Backend):
             stream.put_nowait(
                 StepOutput(request_id, None, float("nan"), self.policy_version, -1, "abort")
             )
+
+
+def available_bytes(device: Any) -> int:
+    """Memory that may be used on ``device`` for a second copy of weights: 90% of what is
+    free (CUDA: ``mem_get_info``; CPU: ``MemAvailable``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free * 0.9)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * 0.9)
+    except OSError:
+        pass
+    return 0

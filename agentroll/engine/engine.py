@@ -28,7 +28,7 @@ from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
 from agentroll.errors import ConfigError
-from agentroll.weights.apply import WeightStore
+from agentroll.weights.apply import StagedUpdate, WeightStore
 from agentroll.weights.update import WeightUpdate
 
 ResumePolicy = Literal["keep", "recompute", "restart"]
@@ -461,6 +461,19 @@ class LLMEngine:
         store.apply(update)
         self.scheduler.set_weights_version(update.version)
         return update.version
+
+    def stage_update(self, update: WeightUpdate) -> StagedUpdate:
+        """Verify ``update`` into a copy of the tensors it touches, leaving the live weights
+        alone; safe to call from another thread while steps run."""
+        return self.weight_store().stage(update)
+
+    def commit_staged(self, staged: StagedUpdate) -> int:
+        """Install a staged update (call only while no step runs); returns the version."""
+        store = self.weight_store()
+        store.version = self.policy_version
+        store.commit(staged)
+        self.scheduler.set_weights_version(staged.version)
+        return staged.version
 
     # -- snapshots -------------------------------------------------------------------------
 

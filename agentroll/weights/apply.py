@@ -107,3 +107,70 @@ class WeightStore:
         self._checksums = checksums
         self.version = update.version
         return digest
+
+    # -- background updates: stage a second copy while generating, swap at a token boundary --
+
+    def staging_bytes(self, update: WeightUpdate) -> int:
+        """Memory a ``stage`` of ``update`` needs (a host copy of every touched tensor)."""
+        return sum(
+            self.tensors[tu.name].numel() * self.tensors[tu.name].element_size()
+            for tu in update.tensors
+            if tu.name in self.tensors
+        )
+
+    def stage(self, update: WeightUpdate) -> StagedUpdate:
+        """Build and verify the updated tensors aside, without touching the live weights
+        (safe while another thread runs forward passes).  Raises ``WeightSyncError``."""
+        self._check(update)
+        checksums = dict(self.checksums)
+        staged: dict[str, torch.Tensor] = {}
+        try:
+            for tu in update.tensors:
+                host = self.tensors[tu.name].detach().to("cpu", copy=True).contiguous()
+                decode_into(tu, host)
+                checksum = tensor_checksum(host)
+                if checksum != tu.checksum:
+                    raise WeightSyncError(f"checksum mismatch for {tu.name!r} while staging")
+                checksums[tu.name] = checksum
+                staged[tu.name] = host
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(f"staging version {update.version} failed: {exc}") from exc
+        digest = model_digest(checksums)
+        if digest != update.digest:
+            raise WeightSyncError("the staged model digest does not match the trainer's")
+        return StagedUpdate(self.version, update.version, staged, checksums, digest)
+
+    def commit(self, staged: StagedUpdate) -> str:
+        """Copy a staged update into the live weights (call between forward passes)."""
+        if staged.base_version != self.version:
+            raise WeightSyncError(
+                f"the staged update was built on version {staged.base_version}, but the "
+                f"replica is at {self.version}; stage it again"
+            )
+        for name, host in staged.tensors.items():
+            self.tensors[name].copy_(host)
+        self._checksums = staged.checksums
+        self.version = staged.version
+        return staged.digest
+
+
+class StagedUpdate:
+    """A verified update held aside by ``WeightStore.stage``."""
+
+    __slots__ = ("base_version", "checksums", "digest", "tensors", "version")
+
+    def __init__(
+        self,
+        base_version: int,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        checksums: dict[str, str],
+        digest: str,
+    ) -> None:
+        self.base_version = base_version
+        self.version = version
+        self.tensors = tensors
+        self.checksums = checksums
+        self.digest = digest

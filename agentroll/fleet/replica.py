@@ -1,0 +1,196 @@
+"""Replicas: one generation engine each, behind one async interface.
+
+Role: the router and the update strategies talk to ``Replica`` only, so the same fleet
+code drives replicas in this process (``LocalReplica`` over any ``Backend``) and replicas
+in Ray actors (``agentroll.fleet.ray.RayReplica``).
+
+Invariants: a replica's ``version`` is the version its next token is sampled with and
+changes only inside ``apply``/``swap`` (which run while it is paused, so no forward pass
+mixes two versions); ``generate``/``restore`` streams follow the Backend chunk contract
+(agentroll.backends.base); ``busy_seconds`` only grows and counts wall time spent in
+forward passes; a replica that raised ``ReplicaDown`` is never used again.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
+from agentroll.errors import BackendError
+
+
+class ReplicaDown(BackendError):
+    """The replica is gone (its process died or it was killed); its calls move elsewhere."""
+
+
+class Replica(abc.ABC):
+    """A generation engine the fleet can route to, pause, update and migrate from."""
+
+    name: str = "replica"
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The policy version new tokens are sampled with (cached, no round trip)."""
+
+    @property
+    def supports_snapshots(self) -> bool:
+        """Whether ``snapshot``/``restore`` work (requests can migrate with their KV)."""
+        return False
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Load the model."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine.  Idempotent."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream ``request``'s tokens (raises ``ReplicaDown`` if the replica dies)."""
+
+    def restore(self, snapshot: Any) -> AsyncIterator[GenerationChunk]:
+        """Continue a request from a ``RequestSnapshot``."""
+        raise BackendError(f"replica {self.name} cannot restore snapshots")
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop at a token boundary; in-flight requests wait (their KV is kept)."""
+
+    @abc.abstractmethod
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        """Continue; each request under its policy in ``policies`` (default ``keep``)."""
+
+    @abc.abstractmethod
+    async def apply(self, update: Any) -> int:
+        """Apply a ``WeightUpdate`` while paused; returns the new version."""
+
+    async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
+        """A ``RequestSnapshot`` of a paused request."""
+        raise BackendError(f"replica {self.name} cannot snapshot requests")
+
+    async def abort(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop a request (after its snapshot was taken, when migrating)."""
+
+    async def inflight(self) -> dict[str, int]:
+        """Generated-token count of every unfinished request."""
+        return {}
+
+    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+        """Load ``update`` into a second copy while generating (background strategy)."""
+        raise BackendError(f"replica {self.name} cannot stage updates in the background")
+
+    async def swap(self) -> int:
+        """Install the staged update at a token boundary; returns the new version."""
+        raise BackendError(f"replica {self.name} cannot stage updates in the background")
+
+    async def busy_seconds(self) -> float:
+        """Wall time spent in forward passes so far."""
+        return 0.0
+
+
+class LocalReplica(Replica):
+    """A replica in this process over a ``Backend`` (``TorchBackend`` for every feature;
+    any backend with pause/resume/apply for the basic ones)."""
+
+    def __init__(self, backend: Backend, name: str = "local") -> None:
+        self.backend = backend
+        self.name = name
+        self._version = backend.policy_version
+        self._dead: str | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def supports_snapshots(self) -> bool:
+        return hasattr(self.backend, "snapshot") and hasattr(self.backend, "restore")
+
+    async def start(self) -> None:
+        await self.backend.start()
+        self._version = self.backend.policy_version
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    def kill(self, reason: str = "killed") -> None:
+        """Fault injection: every call from now on raises ``ReplicaDown``, as a dead actor
+        would; streams in flight fail at their next token."""
+        self._dead = reason
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ReplicaDown(f"replica {self.name} is down ({self._dead})")
+
+    async def _guard(
+        self, stream: AsyncIterator[GenerationChunk]
+    ) -> AsyncIterator[GenerationChunk]:
+        self._check()
+        try:
+            async for chunk in stream:
+                self._check()
+                yield chunk
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        return self._guard(self.backend.generate(request))
+
+    def restore(self, snapshot: Any) -> AsyncIterator[GenerationChunk]:
+        restore = getattr(self.backend, "restore", None)
+        if restore is None:
+            raise BackendError(f"backend {self.backend.name} cannot restore snapshots")
+        return self._guard(restore(snapshot))
+
+    async def pause(self) -> None:
+        self._check()
+        await self.backend.pause("keep")
+
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        self._check()
+        await self.backend.resume(policies)
+
+    async def apply(self, update: Any) -> int:
+        self._check()
+        await self.backend.apply(update)
+        self._version = self.backend.policy_version
+        return self._version
+
+    async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
+        self._check()
+        return await self.backend.snapshot(request_id, with_kv=with_kv)  # type: ignore[attr-defined]
+
+    async def abort(self, request_id: str) -> None:
+        if self._dead is None and hasattr(self.backend, "abort"):
+            await self.backend.abort(request_id)
+
+    async def inflight(self) -> dict[str, int]:
+        self._check()
+        probe = getattr(self.backend, "inflight", None)
+        return dict(probe()) if probe is not None else {}
+
+    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+        self._check()
+        stage = getattr(self.backend, "stage", None)
+        if stage is None:
+            await super().stage(update)
+        else:
+            await stage(update, max_bytes=max_bytes)
+
+    async def swap(self) -> int:
+        self._check()
+        swap = getattr(self.backend, "swap", None)
+        if swap is None:
+            return await super().swap()
+        self._version = int(await swap())
+        return self._version
+
+    async def busy_seconds(self) -> float:
+        return float(getattr(self.backend, "busy_seconds", 0.0))
+
+
+__all__ = ["LocalReplica", "Replica", "ReplicaDown"]
