@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import tarfile
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from agentroll.backends.mock import MockBackend, MockResponse
 from agentroll.sandbox.base import Sandbox, SandboxConfig
@@ -82,3 +83,34 @@ class FakeSandbox(Sandbox):
 
 
 __all__ = ["FakeSandbox", "MockBackend", "MockResponse"]
+
+
+class SyntheticTrainer:
+    """Stand-in for a trainer in tests and benchmarks: each ``step()`` perturbs a fraction of
+    the weights of a checkpoint (seeded) and returns the ``WeightUpdate`` (a delta against
+    the previous version) a real trainer would publish."""
+
+    def __init__(self, model_dir: Any, *, fraction: float = 0.01, seed: int = 0) -> None:
+        import torch
+
+        from agentroll.engine.models import read_tensors
+        from agentroll.weights.exporter import WeightExporter
+
+        self.state = read_tensors(model_dir)
+        self.fraction = fraction
+        self._gen = torch.Generator().manual_seed(seed)
+        self.exporter = WeightExporter(lambda: self.state)
+
+    @property
+    def version(self) -> int:
+        return int(self.exporter.version)
+
+    def step(self) -> Any:
+        import torch
+
+        for t in self.state.values():
+            if not t.is_floating_point():
+                continue
+            mask = torch.rand(t.shape, generator=self._gen) < self.fraction
+            t.add_(mask * torch.randn(t.shape, generator=self._gen) * 0.02)
+        return self.exporter.export()

@@ -83,7 +83,8 @@ class TorchBackend(Backend):
         self._paused = False
         self._policy: ResumePolicy = "keep"
         self._failure: BaseException | None = None
-        self.busy_seconds = 0.0  # wall time spent in engine steps
+        self._busy = 0.0  # wall time spent in finished engine steps
+        self._step_t0: float | None = None
         self.steps = 0
         self._staged: Any = None
 
@@ -128,13 +129,14 @@ class TorchBackend(Backend):
                     self._wake.clear()
                     continue
                 self._idle.clear()
-                t0 = time.perf_counter()
+                self._step_t0 = t0 = time.perf_counter()
                 try:
                     outputs = await asyncio.shield(
                         loop.run_in_executor(self._executor, engine.step)
                     )
                 finally:
-                    self.busy_seconds += time.perf_counter() - t0
+                    self._busy += time.perf_counter() - t0
+                    self._step_t0 = None
                     self.steps += 1
                     self._idle.set()
                 for out in outputs:
@@ -283,6 +285,12 @@ class TorchBackend(Backend):
                 stream.put_nowait(_Rollback(n))
         self._paused = False
         self._wake.set()
+
+    @property
+    def busy_seconds(self) -> float:
+        """Wall time spent in engine steps so far, the step in flight included."""
+        t0 = self._step_t0
+        return self._busy + (time.perf_counter() - t0 if t0 is not None else 0.0)
 
     @property
     def paused(self) -> bool:

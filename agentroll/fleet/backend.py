@@ -1,0 +1,502 @@
+"""A fleet of replicas behind the ``Backend`` protocol.
+
+Role: ``FleetBackend`` routes each generation call to a replica (agentroll.fleet.router),
+moves calls between replicas (migration with the KV, or failover from a dead replica by
+recomputing from the tokens already delivered), and updates weights with a strategy
+(agentroll.fleet.strategies) while episodes keep running.
+
+Invariants: every call is served by exactly one replica at a time, through one pump task
+that copies the replica's stream into the call's queue; the tokens a consumer receives are
+never repeated or skipped when a call moves (a move continues from the snapshot truncated to
+what was delivered; sampling is counter-based, so the continuation is the same as staying);
+a call is lost only when no replica is left; a replica whose update failed keeps its old
+version and leaves the rotation; nothing is routed to a replica that is not ``active``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
+from agentroll.errors import BackendError, ConfigError
+from agentroll.fleet.replica import Replica, ReplicaDown
+from agentroll.fleet.router import ReplicaStatus, Router
+
+logger = logging.getLogger("agentroll.fleet")
+
+Strategy = Literal["pause", "rolling", "drain", "background"]
+STRATEGIES: tuple[Strategy, ...] = ("pause", "rolling", "drain", "background")
+PolicySource = Callable[[], Mapping[str, ResumePolicy]]
+
+
+class SyncReport(msgspec.Struct, kw_only=True):
+    """What one weight update cost the fleet."""
+
+    strategy: str
+    version: int
+    seconds: float = 0.0
+    pause_ms: list[float] = []  # one entry per replica pause (stop -> resume)
+    busy_fraction: float = 0.0  # replica-time spent in forward passes during the sync
+    migrated: int = 0
+    tokens_recomputed: int = 0
+    failed: dict[str, str] = {}  # replica -> why its update failed (it left the rotation)
+
+
+class FleetStats(msgspec.Struct, kw_only=True):
+    calls: int = 0
+    migrated: int = 0
+    failovers: int = 0
+    tokens_discarded: int = 0  # delivered tokens a consumer was told to drop (restart)
+    tokens_recomputed: int = 0  # tokens re-prefilled (recompute policy, moves without KV)
+    pin_breaks: int = 0  # pinned episodes whose version disappeared from the fleet
+    episodes_restarted: int = 0  # episodes with at least one dropped partial generation
+
+
+class _Call:
+    __slots__ = (
+        "delivered",
+        "episode_id",
+        "ids",
+        "kv_version",
+        "logprobs",
+        "policy_version",
+        "pump",
+        "queue",
+        "replica",
+        "request",
+    )
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.episode_id = request.episode_id or request.request_id
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.replica: Replica | None = None
+        self.pump: asyncio.Task[None] | None = None
+        self.delivered = 0  # tokens pumped to the consumer (net of rollbacks)
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.policy_version = -1
+        self.kv_version = -1
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+class FleetBackend(Backend):
+    """``FleetBackend([LocalReplica(TorchBackend(m)), ...], strategy="rolling")``.
+
+    ``pin_versions``: an episode stays on the version its first call got (the rolling
+    strategy waits for pinned episodes before retiring their version).  ``in_flight``: what a
+    rolling group does with calls in flight, ``migrate`` them (with their KV) or ``finish``
+    them first.
+    """
+
+    name = "fleet"
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        *,
+        strategy: Strategy = "pause",
+        group_size: int = 1,
+        in_flight: Literal["migrate", "finish"] = "migrate",
+        pin_versions: bool = False,
+        migrate_with_kv: bool = True,
+        affinity_slack: int = 2,
+        capacity: int = 64,
+        background_max_bytes: int | None = None,
+        pin_timeout: float = 600.0,
+    ) -> None:
+        if not replicas:
+            raise ConfigError("a fleet needs at least one replica")
+        names = [r.name for r in replicas]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"replica names must be unique, got {names}")
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown update strategy {strategy!r}; use one of {STRATEGIES}")
+        if group_size < 1:
+            raise ConfigError("group_size must be >= 1")
+        self.replicas = {r.name: r for r in replicas}
+        self.strategy: Strategy = strategy
+        self.group_size = group_size
+        self.in_flight = in_flight
+        self.pin_versions = pin_versions
+        self.migrate_with_kv = migrate_with_kv
+        self.background_max_bytes = background_max_bytes
+        self.pin_timeout = pin_timeout
+        self.router = Router(affinity_slack=affinity_slack)
+        self._capacity = capacity
+        self._calls: dict[str, _Call] = {}
+        self._changed = asyncio.Event()
+        self._update_lock = asyncio.Lock()
+        self.stats = FleetStats()
+        self.reports: list[SyncReport] = []
+        self.paused_replicas: set[str] = set()
+        self._restarted: set[str] = set()
+        self.tokenizer = getattr(getattr(replicas[0], "backend", None), "tokenizer", None)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        versions = self.router.versions(("active", "draining", "updating"))
+        return max(versions) if versions else -1
+
+    async def start(self) -> None:
+        await asyncio.gather(*(r.start() for r in self.replicas.values()))
+        for r in self.replicas.values():
+            if r.name not in self.router.slots:
+                self.router.add(r.name, r.version, self._capacity)
+
+    async def close(self) -> None:
+        for call in list(self._calls.values()):
+            if call.pump is not None:
+                call.pump.cancel()
+        await asyncio.gather(*(r.close() for r in self.replicas.values()), return_exceptions=True)
+
+    def status(self, name: str) -> ReplicaStatus:
+        return self.router.slots[name].status
+
+    def _set_status(self, name: str, status: ReplicaStatus) -> None:
+        if self.router.slots[name].status == "down":
+            return
+        self.router.set_status(name, status)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def calls_on(self, name: str) -> list[_Call]:
+        return [c for c in self._calls.values() if c.replica is not None and c.replica.name == name]
+
+    def end_episode(self, episode_id: str) -> None:
+        self.router.forget(episode_id)
+        self._notify()
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if request.request_id in self._calls:
+            raise BackendError(f"request {request.request_id!r} is already streaming")
+        call = _Call(request)
+        self._calls[request.request_id] = call
+        self.stats.calls += 1
+        try:
+            await self._launch(call, None)
+            while True:
+                item = await call.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            await self._drop(call)
+
+    async def _drop(self, call: _Call) -> None:
+        self._calls.pop(call.request.request_id, None)
+        pump = call.pump
+        if pump is not None and not pump.done():
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+        if call.replica is not None:
+            self.router.finished(call.replica.name)
+            call.replica = None
+            self._notify()
+
+    async def _place(self, call: _Call, exclude: set[str] | None = None) -> Replica:
+        """Wait for a replica that may take ``call`` and count it there."""
+        exclude = exclude or set()
+        while True:
+            alive = [
+                s
+                for s in self.router.slots.values()
+                if s.status not in ("down", "failed") and s.name not in exclude
+            ]
+            if not alive:
+                raise BackendError(
+                    "no replica is left in the fleet (all down or failed); "
+                    "check the replica errors in the log"
+                )
+            pin = self.router.pinned_version(call.episode_id)
+            if pin is not None and all(s.version != pin for s in alive):
+                self.router.unpin(call.episode_id)  # its version is gone for good
+                self.stats.pin_breaks += 1
+            name = self.router.pick(call.episode_id, exclude, prefer_newest=self.pin_versions)
+            if name is not None:
+                self.router.started(call.episode_id, name)
+                replica = self.replicas[name]
+                if self.pin_versions:
+                    self.router.pin(call.episode_id, replica.version)
+                return replica
+            await self._changed.wait()
+
+    async def _launch(self, call: _Call, snapshot: Any, exclude: set[str] | None = None) -> None:
+        replica = await self._place(call, exclude)
+        call.replica = replica
+        if snapshot is not None:
+            stream = replica.restore(snapshot)
+        else:
+            stream = replica.generate(call.request)
+        call.pump = asyncio.create_task(self._pump(call, replica, stream))
+
+    async def _pump(
+        self, call: _Call, replica: Replica, stream: AsyncIterator[GenerationChunk]
+    ) -> None:
+        try:
+            async for chunk in stream:
+                if chunk.rollback:
+                    n = chunk.rollback
+                    del call.ids[len(call.ids) - n :], call.logprobs[len(call.logprobs) - n :]
+                    call.delivered -= n
+                    self.stats.tokens_discarded += n
+                    if call.episode_id not in self._restarted:
+                        self._restarted.add(call.episode_id)
+                        self.stats.episodes_restarted += 1
+                call.ids.extend(chunk.token_ids)
+                call.logprobs.extend(chunk.logprobs)
+                call.delivered += len(chunk.token_ids)
+                call.policy_version, call.kv_version = chunk.policy_version, chunk.kv_version
+                call.queue.put_nowait(chunk)
+                if chunk.finish_reason is not None:
+                    return
+            call.queue.put_nowait(BackendError("replica stream ended without a finish_reason"))
+        except asyncio.CancelledError:
+            raise
+        except ReplicaDown as exc:
+            logger.warning("replica %s is down (%s); moving its calls", replica.name, exc)
+            self._mark_down(replica.name)
+            if call.replica is replica:
+                asyncio.get_running_loop().call_soon(self._start_failover, call, replica)
+        except BaseException as exc:
+            call.queue.put_nowait(exc)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(BaseException):
+                    await aclose()
+
+    def _mark_down(self, name: str) -> None:
+        if self.router.slots[name].status != "down":
+            self.router.set_status(name, "down")
+            self.paused_replicas.discard(name)
+            self._notify()
+
+    def _start_failover(self, call: _Call, dead: Replica) -> None:
+        if call.request.request_id not in self._calls or call.replica is not dead:
+            return
+        asyncio.get_running_loop().create_task(self._failover(call, dead))
+
+    async def _failover(self, call: _Call, dead: Replica) -> None:
+        """Continue ``call`` on another replica from what it delivered (KV recomputed)."""
+        self.router.finished(dead.name)
+        call.replica = None
+        self.stats.failovers += 1
+        try:
+            snapshot = self._delivered_snapshot(call)
+            if snapshot is None:  # no snapshot support: regenerate the turn
+                if call.delivered:
+                    call.queue.put_nowait(
+                        GenerationChunk(
+                            token_ids=[],
+                            logprobs=[],
+                            policy_version=call.policy_version,
+                            kv_version=call.kv_version,
+                            rollback=call.delivered,
+                        )
+                    )
+                    self.stats.tokens_discarded += call.delivered
+                    call.ids.clear()
+                    call.logprobs.clear()
+                    call.delivered = 0
+            else:
+                self.stats.tokens_recomputed += call.prompt_len + call.delivered
+            await self._launch(call, snapshot)
+        except BaseException as exc:
+            call.queue.put_nowait(exc)
+
+    def _delivered_snapshot(self, call: _Call) -> Any:
+        if not any(r.supports_snapshots for r in self.replicas.values()):
+            return None
+        from agentroll.engine.engine import RequestSnapshot
+
+        req = call.request
+        return RequestSnapshot(
+            request_id=req.request_id,
+            token_ids=[*req.prompt_ids, *call.ids],
+            num_prompt_tokens=call.prompt_len,
+            num_computed_tokens=0,
+            kv_version=max(call.kv_version, 0),
+            min_kv_version=max(call.kv_version, 0),
+            params=req.sampling,
+            seed=req.sampling.seed or 0,
+            logprobs=list(call.logprobs),
+            block_size=0,
+            model_fingerprint="",
+        )
+
+    async def migrate(self, call: _Call, exclude: set[str]) -> bool:
+        """Move a call off its (paused) replica onto another that may take it now; returns
+        False when no other replica may (the call stays)."""
+        src = call.replica
+        if src is None or call.pump is None or call.pump.done():
+            return False
+        if not src.supports_snapshots:
+            return False
+        pin = self.router.pinned_version(call.episode_id)
+        targets = [
+            s
+            for s in self.router.candidates(call.episode_id, exclude | {src.name})
+            if pin is None or s.version == pin
+        ]
+        if not targets:
+            return False
+        try:
+            snap = await src.snapshot(call.request.request_id, with_kv=self.migrate_with_kv)
+        except ReplicaDown:
+            raise
+        except Exception:
+            if call.pump.done():
+                return False  # it finished meanwhile
+            raise
+        pump = call.pump
+        pump.cancel()
+        with contextlib.suppress(BaseException):
+            await pump
+        if call.request.request_id not in self._calls:
+            return False
+        snap = snap.truncated(call.delivered)
+        if snap.k is None:
+            self.stats.tokens_recomputed += call.prompt_len + call.delivered
+        self.router.finished(src.name)
+        call.replica = None
+        self.stats.migrated += 1
+        await self._launch(call, snap, exclude | {src.name})
+        return True
+
+    # -- pause / resume (engine-level pause of the whole fleet) -----------------------------
+
+    async def pause_replica(self, name: str) -> None:
+        await self.replicas[name].pause()
+        self.paused_replicas.add(name)
+
+    async def resume_replica(
+        self, name: str, policies: Mapping[str, ResumePolicy] | None = None
+    ) -> None:
+        if name not in self.paused_replicas:
+            return
+        if policies:
+            for call in self.calls_on(name):
+                if policies.get(call.request.request_id) == "recompute":
+                    self.stats.tokens_recomputed += call.prompt_len + call.delivered
+        await self.replicas[name].resume(policies)
+        self.paused_replicas.discard(name)
+
+    def _live(self) -> list[str]:
+        return [n for n, s in self.router.slots.items() if s.status not in ("down",)]
+
+    async def pause(self, policy: ResumePolicy = "keep") -> None:
+        await asyncio.gather(*(self.pause_replica(n) for n in self._live()))
+
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        await asyncio.gather(
+            *(self.resume_replica(n, policies) for n in list(self.paused_replicas))
+        )
+
+    async def inflight_calls(self) -> dict[str, int]:
+        return {rid: c.delivered for rid, c in self._calls.items()}
+
+    # -- weight updates --------------------------------------------------------------------
+
+    async def apply(self, update: Any) -> None:
+        await self.update(update)
+
+    async def update(
+        self,
+        update: Any,
+        *,
+        strategy: Strategy | None = None,
+        policies: PolicySource | None = None,
+    ) -> SyncReport:
+        """Install ``update`` on every replica in rotation with ``strategy`` (default: the
+        fleet's); ``policies`` gives the resume policy of each in-flight request (default
+        ``keep``).  Replicas whose update fails leave the rotation (``report.failed``);
+        raises ``WeightSyncError`` only when no replica took the update."""
+        from agentroll.fleet import strategies
+
+        chosen = strategy or self.strategy
+        if chosen not in STRATEGIES:
+            raise ConfigError(f"unknown update strategy {chosen!r}; use one of {STRATEGIES}")
+        async with self._update_lock:
+            names = [n for n, s in self.router.slots.items() if s.status not in ("down", "failed")]
+            busy0 = await self._busy(names)
+            t0 = time.perf_counter()
+            report = SyncReport(strategy=chosen, version=update.version)
+            migrated0, recomputed0 = self.stats.migrated, self.stats.tokens_recomputed
+            await getattr(strategies, chosen)(self, update, names, report, policies)
+            report.seconds = time.perf_counter() - t0
+            busy1 = await self._busy(names)
+            alive = [n for n in names if n in busy1 and n in busy0]
+            if alive and report.seconds > 0:
+                report.busy_fraction = sum(busy1[n] - busy0[n] for n in alive) / (
+                    len(alive) * report.seconds
+                )
+            report.migrated = self.stats.migrated - migrated0
+            report.tokens_recomputed = self.stats.tokens_recomputed - recomputed0
+            self.reports.append(report)
+            self._notify()
+            if report.failed and len(report.failed) == len(names):
+                from agentroll.errors import WeightSyncError
+
+                raise WeightSyncError(f"no replica took update {update.version}: {report.failed}")
+            return report
+
+    async def _busy(self, names: list[str]) -> dict[str, float]:
+        out = {}
+        for n in names:
+            with contextlib.suppress(ReplicaDown):
+                out[n] = await self.replicas[n].busy_seconds()
+        return out
+
+    async def apply_on(self, name: str, update: Any, report: SyncReport) -> bool:
+        """Apply on one paused replica; on failure it keeps its old weights and leaves the
+        rotation (status ``failed``) after its calls moved elsewhere."""
+        replica = self.replicas[name]
+        try:
+            version = await replica.apply(update)
+        except ReplicaDown as exc:
+            report.failed[name] = f"down: {exc}"
+            self._mark_down(name)
+            return False
+        except Exception as exc:
+            report.failed[name] = f"{type(exc).__name__}: {exc}"
+            logger.error("update %s failed on replica %s: %s", update.version, name, exc)
+            self._set_status(name, "failed")
+            for call in self.calls_on(name):
+                if not await self.migrate(call, {name}):
+                    await self._failover_alive(call)
+            return False
+        self.router.set_version(name, version)
+        return True
+
+    async def _failover_alive(self, call: _Call) -> None:
+        dead = call.replica
+        if dead is None or call.pump is None:
+            return
+        call.pump.cancel()
+        with contextlib.suppress(BaseException):
+            await call.pump
+        await self._failover(call, dead)
+
+
+__all__ = ["STRATEGIES", "FleetBackend", "FleetStats", "Strategy", "SyncReport"]
