@@ -42,6 +42,20 @@ def _build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--changed", type=float, default=0.01, help="fraction of elements changed")
     sync.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
 
+    bp = bsub.add_parser(
+        "pause", help="weight syncs during fleet rollouts: pauses, restarts, busy fraction"
+    )
+    bp.add_argument("--replicas", type=int, default=4)
+    bp.add_argument("--episodes", type=int, default=64)
+    bp.add_argument("--syncs", type=int, default=10)
+    bp.add_argument(
+        "--strategy", default="rolling", choices=["pause", "rolling", "drain", "background"]
+    )
+    bp.add_argument("--policy", default="keep", choices=["keep", "recompute", "restart"])
+    bp.add_argument("--max-tokens", type=int, default=96, help="tokens per generation")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
+
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
@@ -104,6 +118,26 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 result = sizes_for_checkpoint(args.target, args.dtype)
             print(result.line())
+        elif args.command == "bench" and args.bench == "pause":
+            import asyncio
+
+            from agentroll.bench_pause import format_line, run_pause_bench
+
+            if args.replicas < 1 or args.episodes < 2 or not 0 < args.syncs < args.episodes:
+                raise SystemExit("need --replicas >= 1 and 0 < --syncs < --episodes")
+            figures = asyncio.run(
+                run_pause_bench(
+                    replicas=args.replicas,
+                    episodes=args.episodes,
+                    syncs=args.syncs,
+                    strategy=args.strategy,
+                    policy=args.policy,
+                    model=args.model,
+                    max_tokens=args.max_tokens,
+                    seed=args.seed,
+                )
+            )
+            print(format_line(figures))
         elif args.command == "bench" and args.bench == "sync":
             from agentroll.bench_sync import main_sync
 

@@ -145,7 +145,7 @@ class PauseController:
         self._views = views or (lambda: [])
         self._clock = clock
         self._lock = asyncio.Lock()
-        self._policy: PolicyFn = fixed_policy("keep")
+        self.policy: PolicyFn = fixed_policy("keep")
         self.last_policies: dict[str, ResumePolicy] = {}
         self.durations: list[float] = []  # seconds each pause lasted
 
@@ -157,7 +157,7 @@ class PauseController:
         """Close the gate and stop the backend at a token boundary.  Idempotent."""
         fn = as_policy_fn(policy)
         async with self._lock:
-            self._policy = fn
+            self.policy = fn
             if self.paused:
                 return
             self.gate.close(self._clock())
@@ -173,7 +173,7 @@ class PauseController:
         for view in self._views():
             if target_version is not None:
                 view = msgspec.structs.replace(view, target_version=target_version)
-            out[view.request_id] = check_policy(self._policy(view))
+            out[view.request_id] = check_policy(self.policy(view))
         return out
 
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> float:

@@ -51,6 +51,7 @@ class SyncReport(msgspec.Struct, kw_only=True):
 
 class FleetStats(msgspec.Struct, kw_only=True):
     calls: int = 0
+    tokens: int = 0  # sampled tokens streamed to consumers
     migrated: int = 0
     failovers: int = 0
     tokens_discarded: int = 0  # delivered tokens a consumer was told to drop (restart)
@@ -259,13 +260,11 @@ class FleetBackend(Backend):
                     n = chunk.rollback
                     del call.ids[len(call.ids) - n :], call.logprobs[len(call.logprobs) - n :]
                     call.delivered -= n
-                    self.stats.tokens_discarded += n
-                    if call.episode_id not in self._restarted:
-                        self._restarted.add(call.episode_id)
-                        self.stats.episodes_restarted += 1
+                    self._count_discard(call, n)
                 call.ids.extend(chunk.token_ids)
                 call.logprobs.extend(chunk.logprobs)
                 call.delivered += len(chunk.token_ids)
+                self.stats.tokens += len(chunk.token_ids)
                 call.policy_version, call.kv_version = chunk.policy_version, chunk.kv_version
                 call.queue.put_nowait(chunk)
                 if chunk.finish_reason is not None:
@@ -315,7 +314,7 @@ class FleetBackend(Backend):
                             rollback=call.delivered,
                         )
                     )
-                    self.stats.tokens_discarded += call.delivered
+                    self._count_discard(call, call.delivered)
                     call.ids.clear()
                     call.logprobs.clear()
                     call.delivered = 0
@@ -345,9 +344,18 @@ class FleetBackend(Backend):
             model_fingerprint="",
         )
 
-    async def migrate(self, call: _Call, exclude: set[str]) -> bool:
+    async def migrate(
+        self,
+        call: _Call,
+        exclude: set[str],
+        *,
+        with_kv: bool | None = None,
+        restart: bool = False,
+    ) -> bool:
         """Move a call off its (paused) replica onto another that may take it now; returns
-        False when no other replica may (the call stays)."""
+        False when no other replica may (the call stays).  ``with_kv=False`` recomputes its
+        KV there; ``restart`` drops its partial generation and starts it over (the
+        baseline peers use), telling the consumer to roll back what it received."""
         src = call.replica
         if src is None or call.pump is None or call.pump.done():
             return False
@@ -361,8 +369,12 @@ class FleetBackend(Backend):
         ]
         if not targets:
             return False
+        if with_kv is None:
+            with_kv = self.migrate_with_kv
+        if restart:
+            return await self._restart_elsewhere(call, src, exclude)
         try:
-            snap = await src.snapshot(call.request.request_id, with_kv=self.migrate_with_kv)
+            snap = await src.snapshot(call.request.request_id, with_kv=with_kv)
         except ReplicaDown:
             raise
         except Exception:
@@ -383,6 +395,40 @@ class FleetBackend(Backend):
         self.stats.migrated += 1
         await self._launch(call, snap, exclude | {src.name})
         return True
+
+    async def _restart_elsewhere(self, call: _Call, src: Replica, exclude: set[str]) -> bool:
+        pump = call.pump
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+        if call.request.request_id not in self._calls:
+            return False
+        if call.delivered:
+            call.queue.put_nowait(
+                GenerationChunk(
+                    token_ids=[],
+                    logprobs=[],
+                    policy_version=call.policy_version,
+                    kv_version=call.kv_version,
+                    rollback=call.delivered,
+                )
+            )
+            self._count_discard(call, call.delivered)
+            call.ids.clear()
+            call.logprobs.clear()
+            call.delivered = 0
+        self.router.finished(src.name)
+        call.replica = None
+        self.stats.migrated += 1
+        await self._launch(call, None, exclude | {src.name})
+        return True
+
+    def _count_discard(self, call: _Call, n: int) -> None:
+        self.stats.tokens_discarded += n
+        if call.episode_id not in self._restarted:
+            self._restarted.add(call.episode_id)
+            self.stats.episodes_restarted += 1
 
     # -- pause / resume (engine-level pause of the whole fleet) -----------------------------
 

@@ -115,11 +115,24 @@ async def rolling(
         for n in group:
             paused_at[n] = time.perf_counter()
         await asyncio.gather(*(fleet.pause_replica(n) for n in group))
-        stuck = []
-        for n in group:
-            for call in fleet.calls_on(n):
-                if not await fleet.migrate(call, members):
-                    stuck.append(call)
+        # Calls in flight move on, each as its resume policy says: keep -> with its KV,
+        # recompute -> KV recomputed there, restart -> started over (the peers' baseline).
+        chosen = policies() if policies is not None else {}
+        calls = [c for n in group for c in fleet.calls_on(n)]
+        moved = await asyncio.gather(
+            *(
+                fleet.migrate(
+                    call,
+                    members,
+                    with_kv=None
+                    if chosen.get(call.request.request_id, "keep") == "keep"
+                    else False,
+                    restart=chosen.get(call.request.request_id) == "restart",
+                )
+                for call in calls
+            )
+        )
+        stuck = [c for c, ok in zip(calls, moved, strict=True) if not ok]
         if stuck:  # nowhere to move them (pinned, or no snapshot support): let them finish
             await asyncio.gather(*(fleet.resume_replica(n) for n in group))
             for n in group:

@@ -1,0 +1,146 @@
+"""``agentroll bench pause``: weight syncs in the middle of a fleet's rollouts.
+
+Runs calculator episodes on the tiny model with the built-in engine over ``--replicas``
+in-process replicas, performs ``--syncs`` real delta updates (SyntheticTrainer) at seeded
+random moments (when the fleet has streamed a random number of tokens, between 5% and 85% of
+the run's, so generations are always in flight), and prints one final line::
+
+    strategy=S policy=P episodes_restarted=N tokens_discarded=N tokens_recomputed=N
+    pause_p50_ms=F pause_p99_ms=F busy_fraction_during_sync=F lost=N
+
+``pause_*``: how long each replica stood paused per sync (stop at a token boundary ->
+resumed); ``busy_fraction_during_sync``: replica-time spent in forward passes while a sync
+was in progress, over all syncs; ``lost``: episodes that did not come back ``ok`` or
+``truncated``.  A line before it gives the median decode step, the reference for the pause
+target (one decode step + 50 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from agentroll.backends.base import ResumePolicy, SamplingParams
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
+    return xs[k]
+
+
+async def run_pause_bench(
+    *,
+    replicas: int = 4,
+    episodes: int = 64,
+    syncs: int = 10,
+    strategy: str = "rolling",
+    policy: ResumePolicy = "keep",
+    model: str | Path | None = None,
+    max_tokens: int = 96,
+    seed: int = 0,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.env import load_environment
+    from agentroll.fleet import FleetBackend, LocalReplica
+    from agentroll.pause import fixed_policy
+    from agentroll.rollout import RolloutConfig, RolloutEngine
+    from agentroll.testing import SyntheticTrainer
+    from agentroll.validate import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(model)
+    if syncs >= episodes:
+        raise ValueError("--syncs must be smaller than --episodes (syncs happen between finishes)")
+    rng = random.Random(seed)
+    total_tokens = episodes * max_tokens  # every generation runs to max_tokens (ignore_eos)
+    triggers = sorted(rng.uniform(0.05, 0.85) * total_tokens for _ in range(syncs))
+    reps = [
+        LocalReplica(TorchBackend(model_dir, max_num_seqs=64), name=f"replica-{i}")
+        for i in range(replicas)
+    ]
+    fleet = FleetBackend(reps, strategy=strategy)  # type: ignore[arg-type]
+    env = load_environment("calculator")
+    trainer = SyntheticTrainer(model_dir, seed=seed)
+    cfg = RolloutConfig(
+        concurrency=episodes,
+        seed=seed,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True),
+        progress="off",
+    )
+    tasks = (list(env.tasks()) * (episodes // max(1, len(list(env.tasks()))) + 1))[:episodes]
+    trajs: list[Any] = []
+    t_start = time.perf_counter()
+    async with fleet:
+        async with RolloutEngine(fleet, env, cfg) as engine:
+            engine.pauses.policy = fixed_policy(policy)
+
+            async def syncer() -> list[Any]:
+                """Sync whenever the fleet has streamed the next trigger's token count."""
+                done = []
+                for at in triggers:
+                    while fleet.stats.tokens < at:  # noqa: ASYNC110 - polls a counter
+                        await asyncio.sleep(0.002)
+                    done.append(await fleet.update(trainer.step(), policies=engine.pauses.policies))
+                return done
+
+            sync_task = asyncio.create_task(syncer())
+            async for traj in engine.run(tasks):
+                trajs.append(traj)
+            reports = await sync_task
+        steps = [r.backend.steps for r in reps]  # type: ignore[attr-defined]
+        busy = [r.backend.busy_seconds for r in reps]  # type: ignore[attr-defined]
+    wall = time.perf_counter() - t_start
+    pauses = [ms for r in reports for ms in r.pause_ms]
+    weight = sum(r.seconds * replicas for r in reports)
+    busy_frac = (
+        sum(r.busy_fraction * r.seconds * replicas for r in reports) / weight
+        if weight
+        else float("nan")
+    )
+    step_ms = 1e3 * sum(busy) / max(1, sum(steps))
+    lost = episodes - sum(1 for t in trajs if t.status in ("ok", "truncated"))
+    st = fleet.stats
+    result = {
+        "strategy": strategy,
+        "policy": policy,
+        "episodes_restarted": st.episodes_restarted,
+        "tokens_discarded": st.tokens_discarded,
+        "tokens_recomputed": st.tokens_recomputed,
+        "pause_p50_ms": statistics.median(pauses) if pauses else float("nan"),
+        "pause_p99_ms": _percentile(pauses, 0.99),
+        "busy_fraction_during_sync": busy_frac,
+        "lost": lost,
+        "decode_step_ms": step_ms,
+        "syncs": len(reports),
+        "migrated": st.migrated,
+        "wall_s": wall,
+        "failed_updates": sum(len(r.failed) for r in reports),
+    }
+    if verbose:
+        print(
+            f"info: replicas={replicas} episodes={episodes} syncs={len(reports)} "
+            f"decode_step_ms={step_ms:.1f} pause_target_ms={step_ms + 50:.1f} "
+            f"migrated={st.migrated} failed_updates={result['failed_updates']} wall_s={wall:.1f}",
+            flush=True,
+        )
+    return result
+
+
+def format_line(r: dict[str, Any]) -> str:
+    return (
+        f"strategy={r['strategy']} policy={r['policy']} "
+        f"episodes_restarted={r['episodes_restarted']} tokens_discarded={r['tokens_discarded']} "
+        f"tokens_recomputed={r['tokens_recomputed']} pause_p50_ms={r['pause_p50_ms']:.1f} "
+        f"pause_p99_ms={r['pause_p99_ms']:.1f} "
+        f"busy_fraction_during_sync={r['busy_fraction_during_sync']:.3f} lost={r['lost']}"
+    )
+
+
+__all__ = ["format_line", "run_pause_bench"]
