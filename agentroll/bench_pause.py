@@ -87,7 +87,9 @@ async def run_pause_bench(
                 for at in triggers:
                     while fleet.stats.tokens < at:  # noqa: ASYNC110 - polls a counter
                         await asyncio.sleep(0.002)
-                    done.append(await fleet.update(trainer.step(), policies=engine.pauses.policies))
+                    # the trainer is another process in real runs: keep it off the loop
+                    update = await asyncio.to_thread(trainer.step)
+                    done.append(await fleet.update(update, policies=engine.pauses.policies))
                 return done
 
             sync_task = asyncio.create_task(syncer())

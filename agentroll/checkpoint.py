@@ -124,6 +124,10 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
     gen_start: int = 0
     sampling: SamplingParams | None = None
     created_at: float = 0.0
+    restarted_turns: int = 0  # generations the episode regenerated before this checkpoint
+    # the generation in flight could not be snapshotted (the backend has no ``snapshot``):
+    # its partial turn was dropped and the restored episode regenerates it
+    dropped_generation: bool = False
     sandbox: bytes | None = None  # stored as sandbox.tar next to episode.msgpack
     pending: Any = None  # RequestSnapshot, stored under request/
 
@@ -160,8 +164,6 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
     @classmethod
     def load(cls, path: str | Path) -> EpisodeCheckpoint:
         """Read a checkpoint directory; raises ``ValueError`` naming what is unreadable."""
-        from agentroll.engine.engine import RequestSnapshot
-
         p = Path(path)
         try:
             cp = msgspec.msgpack.decode((p / "episode.msgpack").read_bytes(), type=cls)
@@ -175,6 +177,8 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
         if (p / "sandbox.tar").exists():
             cp.sandbox = (p / "sandbox.tar").read_bytes()
         if (p / "request").exists():
+            from agentroll.engine.engine import RequestSnapshot  # torch: only when needed
+
             cp.pending = RequestSnapshot.load(p / "request")
         elif cp.phase == "generating":
             raise ValueError(f"episode checkpoint {p} is mid-generation but has no request/")
@@ -202,9 +206,14 @@ def make_checkpoint(
     if run.phase not in ("turn", "generating"):
         raise ValueError(f"episode {run.episode_id} is not quiescent (phase {run.phase!r})")
     b, st = run.builder, run.state
-    generating = run.phase == "generating"
+    if run.phase == "turn" and run.pending is not None:
+        # restored mid-generation and checkpointed again before its generation continued:
+        # the snapshot it was restored from is still the pending generation
+        pending = run.pending
+    generating = run.phase == "generating" or pending is not None
     n = len(b)
-    if generating and pending is None:  # the backend cannot snapshot: redo the turn
+    dropped = generating and pending is None
+    if dropped:  # the backend cannot snapshot: redo the turn
         n = run.gen_start
         generating = False
     return EpisodeCheckpoint(
@@ -233,6 +242,8 @@ def make_checkpoint(
         gen_start=run.gen_start if generating else 0,
         sampling=run.sampling if generating else None,
         created_at=time.time(),
+        restarted_turns=run.restarted_turns,
+        dropped_generation=dropped,
         sandbox=sandbox_blob,
         pending=pending if generating else None,
     )

@@ -1,4 +1,4 @@
-"""Command line: ``agentroll bench | validate | envs | model``.  Each subcommand maps to one function here;
+"""Command line: ``agentroll bench | validate | worker | envs | model``.  Each subcommand maps to one function here;
 errors from agentroll print one line that says what to do, and exit with status 2."""
 
 from __future__ import annotations
@@ -60,6 +60,29 @@ def _build_parser() -> argparse.ArgumentParser:
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
     val.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
+
+    wk = sub.add_parser(
+        "worker",
+        help="run an environment's tasks; SIGTERM checkpoints in-flight episodes and a "
+        "restart continues them (a recipe-based worker comes in a later issue)",
+    )
+    wk.add_argument("--env", required=True, help="environment name or module:Class")
+    wk.add_argument("--backend", choices=["torch", "mock"], default="torch")
+    wk.add_argument("--model", default=None, help="torch checkpoint dir (default: the tiny model)")
+    wk.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
+    wk.add_argument("--tasks", type=int, default=None, help="the first N tasks (default: all)")
+    wk.add_argument("--seed", type=int, default=0, help="rollout seed")
+    wk.add_argument("--out", required=True, help="trajectories file: .jsonl or .msgpack")
+    wk.add_argument("--checkpoint-dir", required=True, help="where in-flight episodes go")
+    wk.add_argument(
+        "--no-kv", action="store_true", help="checkpoint without KV (the restart recomputes it)"
+    )
+    wk.add_argument("--concurrency", type=int, default=8)
+    wk.add_argument("--max-tokens", type=int, default=256, help="tokens per generation")
+    wk.add_argument(
+        "--batch-invariant", action="store_true", help="exact continuation (slower engine)"
+    )
+    wk.add_argument("--mock-latency", type=float, default=0.0, help="seconds per mock reply")
 
     sub.add_parser("envs", help="list the built-in environments")
 
@@ -157,6 +180,25 @@ def main(argv: list[str] | None = None) -> int:
                 heads=args.hidden // 64,
             )
             print(f"wrote {out}")
+        elif args.command == "worker":
+            from agentroll.worker import main_worker
+
+            summary = main_worker(
+                env=args.env,
+                backend=args.backend,
+                model=args.model,
+                device=args.device,
+                num_tasks=args.tasks,
+                seed=args.seed,
+                out=args.out,
+                checkpoint_dir=args.checkpoint_dir,
+                with_kv=not args.no_kv,
+                concurrency=args.concurrency,
+                max_tokens=args.max_tokens,
+                batch_invariant=args.batch_invariant,
+                mock_latency=args.mock_latency,
+            )
+            print(summary.line(), flush=True)
         elif args.command == "envs":
             import pkgutil
 

@@ -4,8 +4,9 @@ Role: the rollout engine owns one ``PauseController``.  ``pause`` closes the tur
 episode starts a new generation) and pauses the backend, which stops every generation at a
 token boundary; tool calls already running go on and their results are kept.  ``resume``
 resumes the backend with a resume policy per request (chosen per episode by a
-``PolicyFn``), reopens the gate and pushes every registered deadline back by the time spent
-paused, so a sync never makes an episode or a generation time out.
+``PolicyFn``) and reopens the gate.  Every tracked deadline is frozen while paused (disarmed
+at ``pause``, re-armed at ``resume`` with the time it had left), so a sync never makes an
+episode or a generation time out, however long it lasts.
 
 Invariants (DESIGN.md 3, 4): environment code never sees a pause (its ``await`` just takes
 longer); the policy of every paused request is explicit (``keep``, ``recompute`` or
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -115,14 +116,25 @@ class PauseGate:
             await self._open.wait()
 
 
-def shift_deadlines(timeouts: Any, by: float) -> None:
-    """Push every armed ``asyncio.Timeout`` in ``timeouts`` back by ``by`` seconds."""
-    if by <= 0:
-        return
+def freeze_deadlines(
+    timeouts: Iterable[asyncio.Timeout], now: float
+) -> dict[asyncio.Timeout, float]:
+    """Disarm every armed, unexpired ``asyncio.Timeout`` in ``timeouts``; returns the seconds
+    each had left at ``now`` (loop time).  A disarmed timeout cannot fire while paused."""
+    frozen: dict[asyncio.Timeout, float] = {}
     for t in list(timeouts):
         when = t.when()
         if when is not None and not t.expired():
-            t.reschedule(when + by)
+            frozen[t] = when - now
+            t.reschedule(None)
+    return frozen
+
+
+def thaw_deadlines(frozen: Mapping[asyncio.Timeout, float], now: float) -> None:
+    """Re-arm each timeout ``freeze_deadlines`` disarmed, with the time it had left."""
+    for t, left in frozen.items():
+        if t.when() is None and not t.expired():
+            t.reschedule(now + left)
 
 
 class PauseController:
@@ -141,7 +153,8 @@ class PauseController:
     ) -> None:
         self.backend = backend
         self.gate = PauseGate()
-        self.timeouts: set[asyncio.Timeout] = set()
+        self.timeouts: set[asyncio.Timeout] = set()  # register with track() / untrack()
+        self._frozen: dict[asyncio.Timeout, float] = {}
         self._views = views or (lambda: [])
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -153,6 +166,17 @@ class PauseController:
     def paused(self) -> bool:
         return not self.gate.is_open
 
+    def track(self, timeout: asyncio.Timeout) -> None:
+        """Exclude paused time from an entered ``asyncio.Timeout`` (frozen now if paused)."""
+        self.timeouts.add(timeout)
+        if self.paused:
+            self._frozen.update(freeze_deadlines((timeout,), asyncio.get_running_loop().time()))
+
+    def untrack(self, timeout: asyncio.Timeout) -> None:
+        """Forget a timeout (call before or right after leaving its ``async with``)."""
+        self.timeouts.discard(timeout)
+        self._frozen.pop(timeout, None)
+
     async def pause(self, policy: ResumePolicy | PolicyFn = "keep") -> None:
         """Close the gate and stop the backend at a token boundary.  Idempotent."""
         fn = as_policy_fn(policy)
@@ -161,9 +185,14 @@ class PauseController:
             if self.paused:
                 return
             self.gate.close(self._clock())
+            loop = asyncio.get_running_loop()
+            # frozen before awaiting the backend: its step in flight may take a while
+            self._frozen = freeze_deadlines(self.timeouts, loop.time())
             try:
                 await self.backend.pause("keep")
             except BaseException:
+                thaw_deadlines(self._frozen, loop.time())
+                self._frozen = {}
                 self.gate.open(self._clock())
                 raise
 
@@ -185,8 +214,9 @@ class PauseController:
             chosen = dict(policies) if policies is not None else self.policies()
             self.last_policies = chosen
             await self.backend.resume(chosen)
+            thaw_deadlines(self._frozen, asyncio.get_running_loop().time())
+            self._frozen = {}
             closed_for = self.gate.open(self._clock())
-            shift_deadlines(self.timeouts, closed_for)
             self.durations.append(closed_for)
             return closed_for
 
@@ -200,6 +230,7 @@ __all__ = [
     "as_policy_fn",
     "check_policy",
     "fixed_policy",
-    "shift_deadlines",
+    "freeze_deadlines",
     "staleness_policy",
+    "thaw_deadlines",
 ]

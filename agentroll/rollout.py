@@ -384,7 +384,7 @@ class RolloutEngine:
         timer = asyncio.timeout(cfg.episode_timeout)
         try:
             async with timer:
-                self.pauses.timeouts.add(timer)
+                self.pauses.track(timer)
                 if env.sandbox_config is not None:
                     run.sandbox = open_sandbox(env.sandbox_config)
                     await run.sandbox.start()
@@ -418,7 +418,7 @@ class RolloutEngine:
             logger.debug("episode %s failed", state.episode_id, exc_info=True)
         finally:
             run.phase = "done"
-            self.pauses.timeouts.discard(timer)
+            self.pauses.untrack(timer)
             self._live.pop(state.episode_id, None)
             self.backend.end_episode(state.episode_id)
             if run.sandbox is not None:
@@ -483,6 +483,10 @@ class RolloutEngine:
         run.prompt_len = cp.prompt_len
         run.format_errors = cp.format_errors
         run.next_turn = cp.next_turn
+        run.restarted_turns = cp.restarted_turns
+        if cp.dropped_generation:  # the turn in flight was dropped at the checkpoint: redo it
+            run.restarted_turns += 1
+            self.stats["restarted_turns"] += 1
         if cp.phase == "generating":
             run.request_id, run.gen_start, run.sampling = cp.request_id, cp.gen_start, cp.sampling
             run.pending = cp.pending
@@ -511,6 +515,8 @@ class RolloutEngine:
                 gen_start = run.gen_start
                 sampling = run.sampling or cfg.sampling
                 request_id = run.request_id
+                if env.max_total_tokens is not None:  # as it was when the turn started
+                    budget_bound = env.max_total_tokens - gen_start < cfg.sampling.max_tokens
             else:
                 max_tokens = cfg.sampling.max_tokens
                 if env.max_total_tokens is not None:
@@ -647,7 +653,7 @@ class RolloutEngine:
         try:
             async with cm:
                 if isinstance(cm, asyncio.Timeout):
-                    self.pauses.timeouts.add(cm)
+                    self.pauses.track(cm)
                 async for chunk in self._stream(request, run):
                     if chunk.rollback:
                         keep = len(builder) - chunk.rollback
@@ -667,7 +673,7 @@ class RolloutEngine:
             raise
         finally:
             if isinstance(cm, asyncio.Timeout):
-                self.pauses.timeouts.discard(cm)
+                self.pauses.untrack(cm)
         if finish is None:
             raise GenerationTimeout("backend stream ended without a finish_reason")
         return finish

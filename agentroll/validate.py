@@ -337,12 +337,15 @@ async def check_batch_invariance(
 
 def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
     """All checks, in order, with the engine on ``device``."""
+    from agentroll.validate_checkpoint import check_episode_checkpoint_parity
+
     out = [
         asyncio.run(check_token_parity_pause(model, device=device)),
         check_token_parity_migrate(model, device=device),
         asyncio.run(check_recompute_rescore(model, device=device)),
         check_reference_parity(model, device=device),
         asyncio.run(check_batch_invariance(model, device=device)),
+        check_episode_checkpoint_parity(model, device=device),
     ]
     for r in out:
         if not r.passed:

@@ -375,6 +375,17 @@ class TorchBackend(Backend):
             self._executor, lambda: self.engine.snapshot(request_id, with_kv=with_kv)
         )
 
+    async def snapshot_many(
+        self, request_ids: list[str], *, with_kv: bool = True
+    ) -> dict[str, Any]:
+        """Snapshots of the unfinished ones among ``request_ids``, in one engine call."""
+        self._require_paused("snapshot")
+        engine = self.engine
+
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: engine.snapshot_many(request_ids, with_kv=with_kv)
+        )
+
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprobs of ``token_ids[1:]`` from a fresh prefill under the current weights, run
         on the engine's thread (so with the engine's kernels and thread settings)."""

@@ -479,12 +479,46 @@ class LLMEngine:
 
     def snapshot(self, request_id: str, *, with_kv: bool = True) -> RequestSnapshot:
         """The state of a paused (or between-steps) request, as host copies."""
+        return self.snapshot_many([request_id], with_kv=with_kv)[request_id]
+
+    def snapshot_many(
+        self, request_ids: list[str], *, with_kv: bool = True
+    ) -> dict[str, RequestSnapshot]:
+        """Snapshots of the live ones among ``request_ids``; their KV blocks are read in one
+        gather per layer (a migration moves many requests at once)."""
+        live = [rid for rid in request_ids if rid in self.requests]
+        spans: list[int] = []
+        blocks: list[int] = []
+        for rid in live:
+            seq = self.requests[rid].seq
+            n = seq.num_blocks_needed(self.config.block_size, seq.num_computed_tokens)
+            n = n if with_kv and seq.num_computed_tokens else 0
+            spans.append(n)
+            blocks.extend(seq.block_table[:n])
+        k_all = v_all = None
+        if blocks:
+            # requests that share a cached prefix share its blocks: read each block once
+            unique = list(dict.fromkeys(blocks))
+            k_all, v_all = self.runner.read_blocks(unique)
+            if len(unique) < len(blocks):
+                row = {b: i for i, b in enumerate(unique)}
+                idx = torch.tensor([row[b] for b in blocks])
+                k_all, v_all = k_all.index_select(1, idx), v_all.index_select(1, idx)
+        out = {}
+        start = 0
+        for rid, n in zip(live, spans, strict=True):
+            k = v = None
+            if n and k_all is not None and v_all is not None:
+                k, v = k_all[:, start : start + n], v_all[:, start : start + n]
+                start += n
+            out[rid] = self._snapshot_of(rid, k, v)
+        return out
+
+    def _snapshot_of(
+        self, request_id: str, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> RequestSnapshot:
         req = self.requests[request_id]
         seq = req.seq
-        n_blocks = seq.num_blocks_needed(self.config.block_size, seq.num_computed_tokens)
-        k = v = None
-        if with_kv and seq.num_computed_tokens:
-            k, v = self.runner.read_blocks(seq.block_table[:n_blocks])
         return RequestSnapshot(
             request_id=request_id,
             token_ids=list(seq.token_ids),

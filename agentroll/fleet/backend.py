@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
-from agentroll.errors import BackendError, ConfigError
+from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
 from agentroll.fleet.router import ReplicaStatus, Router
 
@@ -244,18 +244,29 @@ class FleetBackend(Backend):
 
     async def _launch(self, call: _Call, snapshot: Any, exclude: set[str] | None = None) -> None:
         replica = await self._place(call, exclude)
+        if call.request.request_id not in self._calls:
+            # its consumer left while a move waited for a replica: start nothing for nobody
+            self.router.finished(replica.name)
+            self._notify()
+            return
         call.replica = replica
         if snapshot is not None:
             stream = replica.restore(snapshot)
         else:
             stream = replica.generate(call.request)
-        call.pump = asyncio.create_task(self._pump(call, replica, stream))
+        with_kv = snapshot is not None and getattr(snapshot, "k", None) is not None
+        call.pump = asyncio.create_task(self._pump(call, replica, stream, with_kv))
 
     async def _pump(
-        self, call: _Call, replica: Replica, stream: AsyncIterator[GenerationChunk]
+        self,
+        call: _Call,
+        replica: Replica,
+        stream: AsyncIterator[GenerationChunk],
+        restoring_kv: bool = False,
     ) -> None:
         try:
             async for chunk in stream:
+                restoring_kv = False
                 if chunk.rollback:
                     n = chunk.rollback
                     del call.ids[len(call.ids) - n :], call.logprobs[len(call.logprobs) - n :]
@@ -277,6 +288,14 @@ class FleetBackend(Backend):
             self._mark_down(replica.name)
             if call.replica is replica:
                 asyncio.get_running_loop().call_soon(self._start_failover, call, replica)
+        except BackendError as exc:
+            if not restoring_kv:
+                call.queue.put_nowait(exc)
+                return
+            # The target refused the moved KV (e.g. too few free blocks now): continue from
+            # the delivered tokens instead, which it admits like any request, KV recomputed.
+            logger.info("replica %s refused a snapshot (%s); recomputing it", replica.name, exc)
+            asyncio.get_running_loop().call_soon(self._start_failover, call, replica, False)
         except BaseException as exc:
             call.queue.put_nowait(exc)
         finally:
@@ -286,21 +305,36 @@ class FleetBackend(Backend):
                     await aclose()
 
     def _mark_down(self, name: str) -> None:
+        """The replica is gone: never route to it again and move every call it held (a
+        paused replica, or one found dead by a control call, streams nothing that would
+        tell its calls)."""
         if self.router.slots[name].status != "down":
             self.router.set_status(name, "down")
             self.paused_replicas.discard(name)
             self._notify()
+            dead = self.replicas[name]
+            for call in self.calls_on(name):
+                asyncio.get_running_loop().call_soon(self._start_failover, call, dead)
 
-    def _start_failover(self, call: _Call, dead: Replica) -> None:
+    def _start_failover(self, call: _Call, dead: Replica, is_down: bool = True) -> None:
         if call.request.request_id not in self._calls or call.replica is not dead:
             return
-        asyncio.get_running_loop().create_task(self._failover(call, dead))
+        asyncio.get_running_loop().create_task(self._failover(call, dead, is_down))
 
-    async def _failover(self, call: _Call, dead: Replica) -> None:
-        """Continue ``call`` on another replica from what it delivered (KV recomputed)."""
+    async def _failover(self, call: _Call, dead: Replica, is_down: bool = True) -> None:
+        """Continue ``call`` on another replica (any, when ``dead`` is not down) from what
+        it delivered (KV recomputed)."""
+        if call.request.request_id not in self._calls or call.replica is not dead:
+            return  # moved already (its pump and the replica's mark-down both asked)
         self.router.finished(dead.name)
         call.replica = None
-        self.stats.failovers += 1
+        pump = call.pump
+        if pump is not None and not pump.done():  # still waiting on the dead replica
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+        if is_down:
+            self.stats.failovers += 1
         try:
             snapshot = self._delivered_snapshot(call)
             if snapshot is None:  # no snapshot support: regenerate the turn
@@ -351,11 +385,13 @@ class FleetBackend(Backend):
         *,
         with_kv: bool | None = None,
         restart: bool = False,
+        snapshot: Any = None,
     ) -> bool:
         """Move a call off its (paused) replica onto another that may take it now; returns
         False when no other replica may (the call stays).  ``with_kv=False`` recomputes its
         KV there; ``restart`` drops its partial generation and starts it over (the
-        baseline peers use), telling the consumer to roll back what it received."""
+        baseline peers use), telling the consumer to roll back what it received.
+        ``snapshot``: the call's snapshot, when the caller took it already (in bulk)."""
         src = call.replica
         if src is None or call.pump is None or call.pump.done():
             return False
@@ -373,14 +409,16 @@ class FleetBackend(Backend):
             with_kv = self.migrate_with_kv
         if restart:
             return await self._restart_elsewhere(call, src, exclude)
-        try:
-            snap = await src.snapshot(call.request.request_id, with_kv=with_kv)
-        except ReplicaDown:
-            raise
-        except Exception:
-            if call.pump.done():
-                return False  # it finished meanwhile
-            raise
+        snap = snapshot
+        if snap is None:
+            try:
+                snap = await src.snapshot(call.request.request_id, with_kv=with_kv)
+            except ReplicaDown:
+                raise
+            except Exception:
+                if call.pump.done():
+                    return False  # it finished meanwhile
+                raise
         pump = call.pump
         pump.cancel()
         with contextlib.suppress(BaseException):
@@ -433,7 +471,13 @@ class FleetBackend(Backend):
     # -- pause / resume (engine-level pause of the whole fleet) -----------------------------
 
     async def pause_replica(self, name: str) -> None:
-        await self.replicas[name].pause()
+        """Pause one replica; one found dead is marked down (its calls move) instead."""
+        try:
+            await self.replicas[name].pause()
+        except ReplicaDown as exc:
+            logger.warning("replica %s is down (%s); moving its calls", name, exc)
+            self._mark_down(name)
+            return
         self.paused_replicas.add(name)
 
     async def resume_replica(
@@ -445,7 +489,11 @@ class FleetBackend(Backend):
             for call in self.calls_on(name):
                 if policies.get(call.request.request_id) == "recompute":
                     self.stats.tokens_recomputed += call.prompt_len + call.delivered
-        await self.replicas[name].resume(policies)
+        try:
+            await self.replicas[name].resume(policies)
+        except ReplicaDown as exc:
+            logger.warning("replica %s is down (%s); moving its calls", name, exc)
+            self._mark_down(name)
         self.paused_replicas.discard(name)
 
     def _live(self) -> list[str]:
@@ -476,8 +524,9 @@ class FleetBackend(Backend):
     ) -> SyncReport:
         """Install ``update`` on every replica in rotation with ``strategy`` (default: the
         fleet's); ``policies`` gives the resume policy of each in-flight request (default
-        ``keep``).  Replicas whose update fails leave the rotation (``report.failed``);
-        raises ``WeightSyncError`` only when no replica took the update."""
+        ``keep``).  Replicas whose update fails leave the rotation (``report.failed``) and
+        their calls move to the others; raises ``WeightSyncError`` only when no replica took
+        the update, and then every replica goes on serving the version it had."""
         from agentroll.fleet import strategies
 
         chosen = strategy or self.strategy
@@ -485,6 +534,11 @@ class FleetBackend(Backend):
             raise ConfigError(f"unknown update strategy {chosen!r}; use one of {STRATEGIES}")
         async with self._update_lock:
             names = [n for n, s in self.router.slots.items() if s.status not in ("down", "failed")]
+            if not names:
+                raise WeightSyncError(
+                    f"no replica is left to take update {update.version} (all down or failed)"
+                )
+            t_busy = time.perf_counter()
             busy0 = await self._busy(names)
             t0 = time.perf_counter()
             report = SyncReport(strategy=chosen, version=update.version)
@@ -492,32 +546,49 @@ class FleetBackend(Backend):
             await getattr(strategies, chosen)(self, update, names, report, policies)
             report.seconds = time.perf_counter() - t0
             busy1 = await self._busy(names)
+            # the same window brackets both samples of every replica (a remote replica's
+            # sample takes a round trip), so the fraction is at most 1
+            window = time.perf_counter() - t_busy
             alive = [n for n in names if n in busy1 and n in busy0]
-            if alive and report.seconds > 0:
+            if alive and window > 0:
                 report.busy_fraction = sum(busy1[n] - busy0[n] for n in alive) / (
-                    len(alive) * report.seconds
+                    len(alive) * window
                 )
             report.migrated = self.stats.migrated - migrated0
             report.tokens_recomputed = self.stats.tokens_recomputed - recomputed0
             self.reports.append(report)
             self._notify()
-            if report.failed and len(report.failed) == len(names):
-                from agentroll.errors import WeightSyncError
-
+            failed = [n for n in report.failed if self.router.slots[n].status == "failed"]
+            if len(report.failed) == len(names):
+                # Refused everywhere (a corrupt update, a wrong base): every replica kept its
+                # weights, so the fleet goes on serving the old version rather than nothing.
+                for n in failed:
+                    self._set_status(n, "active")
                 raise WeightSyncError(f"no replica took update {update.version}: {report.failed}")
+            for n in failed:
+                await self._evacuate(n)
             return report
 
     async def _busy(self, names: list[str]) -> dict[str, float]:
+        got = await asyncio.gather(
+            *(self.replicas[n].busy_seconds() for n in names), return_exceptions=True
+        )
         out = {}
-        for n in names:
-            with contextlib.suppress(ReplicaDown):
-                out[n] = await self.replicas[n].busy_seconds()
+        for n, busy in zip(names, got, strict=True):
+            if isinstance(busy, ReplicaDown):
+                continue
+            if isinstance(busy, BaseException):
+                raise busy
+            out[n] = busy
         return out
 
     async def apply_on(self, name: str, update: Any, report: SyncReport) -> bool:
         """Apply on one paused replica; on failure it keeps its old weights and leaves the
-        rotation (status ``failed``) after its calls moved elsewhere."""
+        rotation (status ``failed``); ``update`` moves its calls once the others are done."""
         replica = self.replicas[name]
+        if self.router.slots[name].status == "down":  # found dead while pausing
+            report.failed[name] = "down"
+            return False
         try:
             version = await replica.apply(update)
         except ReplicaDown as exc:
@@ -528,21 +599,23 @@ class FleetBackend(Backend):
             report.failed[name] = f"{type(exc).__name__}: {exc}"
             logger.error("update %s failed on replica %s: %s", update.version, name, exc)
             self._set_status(name, "failed")
-            for call in self.calls_on(name):
-                if not await self.migrate(call, {name}):
-                    await self._failover_alive(call)
             return False
         self.router.set_version(name, version)
         return True
 
-    async def _failover_alive(self, call: _Call) -> None:
-        dead = call.replica
-        if dead is None or call.pump is None:
+    async def _evacuate(self, name: str) -> None:
+        """Move the calls of a replica that left the rotation to the active ones; a call
+        with nowhere to go finishes where it is (on the weights it started with)."""
+        calls = self.calls_on(name)
+        if not calls:
             return
-        call.pump.cancel()
-        with contextlib.suppress(BaseException):
-            await call.pump
-        await self._failover(call, dead)
+        await self.pause_replica(name)
+        try:
+            for call in calls:
+                with contextlib.suppress(ReplicaDown):
+                    await self.migrate(call, {name})
+        finally:
+            await self.resume_replica(name)
 
 
 __all__ = ["STRATEGIES", "FleetBackend", "FleetStats", "Strategy", "SyncReport"]

@@ -70,6 +70,20 @@ class Replica(abc.ABC):
         """A ``RequestSnapshot`` of a paused request."""
         raise BackendError(f"replica {self.name} cannot snapshot requests")
 
+    async def snapshot_many(
+        self, request_ids: list[str], *, with_kv: bool = True
+    ) -> dict[str, Any]:
+        """Snapshots of several paused requests (those still unfinished), in one go."""
+        out = {}
+        for rid in request_ids:
+            try:
+                out[rid] = await self.snapshot(rid, with_kv=with_kv)
+            except ReplicaDown:
+                raise
+            except Exception:
+                continue  # finished meanwhile
+        return out
+
     async def abort(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Drop a request (after its snapshot was taken, when migrating)."""
 
@@ -163,6 +177,15 @@ class LocalReplica(Replica):
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
         self._check()
         return await self.backend.snapshot(request_id, with_kv=with_kv)  # type: ignore[attr-defined]
+
+    async def snapshot_many(
+        self, request_ids: list[str], *, with_kv: bool = True
+    ) -> dict[str, Any]:
+        many = getattr(self.backend, "snapshot_many", None)
+        if many is None:
+            return await super().snapshot_many(request_ids, with_kv=with_kv)
+        self._check()
+        return dict(await many(request_ids, with_kv=with_kv))
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None and hasattr(self.backend, "abort"):

@@ -84,6 +84,55 @@ async def pause(
     await _apply_group(fleet, update, names, report, policies, paused_at)
 
 
+async def _pin_wait(fleet: FleetBackend, group: list[str]) -> None:
+    """The last replicas of a version serve the episodes pinned to it until they end."""
+    members = set(group)
+    for v in {fleet.router.slots[n].version for n in group}:
+        others = [
+            s
+            for s in fleet.router.slots.values()
+            if s.name not in members and s.status == "active" and s.version == v
+        ]
+        if not others:
+            await _wait(fleet, lambda v=v: fleet.router.pinned_at(v) == 0, fleet.pin_timeout)
+
+
+async def _move_calls(
+    fleet: FleetBackend, group: list[str], policies: PolicySource | None
+) -> list[Any]:
+    """Move the calls in flight on a paused group, each as its resume policy says: keep ->
+    with its KV, recompute -> KV recomputed there, restart -> started over (the peers'
+    baseline).  Returns the calls that could not move."""
+    chosen = policies() if policies is not None else {}
+    calls = [c for n in group for c in fleet.calls_on(n)]
+    snaps: dict[str, Any] = {}
+    for n in group:  # one engine call per replica, not one per request
+        ids = [
+            c.request.request_id
+            for c in fleet.calls_on(n)
+            if chosen.get(c.request.request_id, "keep") != "restart"
+        ]
+        for kv in (True, False):
+            subset = [i for i in ids if (chosen.get(i, "keep") == "keep") == kv]
+            if subset and fleet.replicas[n].supports_snapshots:
+                with_kv = kv and fleet.migrate_with_kv
+                snaps.update(await fleet.replicas[n].snapshot_many(subset, with_kv=with_kv))
+    moved = []
+    for call in calls:
+        rid = call.request.request_id
+        policy = chosen.get(rid, "keep")
+        moved.append(
+            await fleet.migrate(
+                call,
+                set(group),
+                with_kv=None if policy == "keep" else False,
+                restart=policy == "restart",
+                snapshot=snaps.get(rid),
+            )
+        )
+    return [c for c, ok in zip(calls, moved, strict=True) if not ok]
+
+
 async def rolling(
     fleet: FleetBackend,
     update: Any,
@@ -92,58 +141,54 @@ async def rolling(
     policies: PolicySource | None,
 ) -> None:
     groups = [names[i : i + fleet.group_size] for i in range(0, len(names), fleet.group_size)]
-    for group in groups:
-        members = set(group)
-        if fleet.pin_versions:
-            # The last replicas of a version serve the episodes pinned to it until they end.
-            old = {fleet.router.slots[n].version for n in group}
-            for v in old:
-                others = [
-                    s
-                    for s in fleet.router.slots.values()
-                    if s.name not in members and s.status == "active" and s.version == v
-                ]
-                if not others:
-                    await _wait(
-                        fleet, lambda v=v: fleet.router.pinned_at(v) == 0, fleet.pin_timeout
-                    )
-        for n in group:
+    # Pipelining: while group k applies, group k+1 (already out of routing) runs to its next
+    # token boundary, so k+1's calls move to k the moment k rejoins and k never idles.
+    prefetch = fleet.in_flight == "migrate" and not fleet.pin_versions
+    pausing: dict[int, asyncio.Task[Any]] = {}
+    paused_at: dict[str, float] = {}
+
+    def start_pause(i: int) -> None:
+        for n in groups[i]:
             fleet._set_status(n, "draining")
-        if fleet.in_flight == "finish":
-            await _wait(fleet, _idle(fleet, group), 600.0)
-        paused_at = {}
-        for n in group:
             paused_at[n] = time.perf_counter()
-        await asyncio.gather(*(fleet.pause_replica(n) for n in group))
-        # Calls in flight move on, each as its resume policy says: keep -> with its KV,
-        # recompute -> KV recomputed there, restart -> started over (the peers' baseline).
-        chosen = policies() if policies is not None else {}
-        calls = [c for n in group for c in fleet.calls_on(n)]
-        moved = await asyncio.gather(
-            *(
-                fleet.migrate(
-                    call,
-                    members,
-                    with_kv=None
-                    if chosen.get(call.request.request_id, "keep") == "keep"
-                    else False,
-                    restart=chosen.get(call.request.request_id) == "restart",
-                )
-                for call in calls
-            )
+        pausing[i] = asyncio.ensure_future(
+            asyncio.gather(*(fleet.pause_replica(n) for n in groups[i]))
         )
-        stuck = [c for c, ok in zip(calls, moved, strict=True) if not ok]
-        if stuck:  # nowhere to move them (pinned, or no snapshot support): let them finish
-            await asyncio.gather(*(fleet.resume_replica(n) for n in group))
+
+    try:
+        for i, group in enumerate(groups):
+            if i not in pausing:
+                if fleet.pin_versions:
+                    await _pin_wait(fleet, group)
+                for n in group:
+                    fleet._set_status(n, "draining")
+                if fleet.in_flight == "finish":
+                    await _wait(fleet, _idle(fleet, group), 600.0)
+                start_pause(i)
+            await pausing.pop(i)
+            if prefetch and i + 1 < len(groups):
+                for n in groups[i + 1]:  # no new calls or migrations onto the next group
+                    fleet._set_status(n, "draining")
+            stuck = await _move_calls(fleet, group, policies)
+            if stuck:  # nowhere to move them (pinned, or no snapshot support): let them finish
+                await asyncio.gather(*(fleet.resume_replica(n) for n in group))
+                for n in group:
+                    report.pause_ms.append((time.perf_counter() - paused_at[n]) * 1e3)
+                await _wait(fleet, _idle(fleet, group), 600.0)
+                start_pause(i)
+                await pausing.pop(i)
+            if prefetch and i + 1 < len(groups):
+                start_pause(i + 1)
             for n in group:
-                report.pause_ms.append((time.perf_counter() - paused_at[n]) * 1e3)
-            await _wait(fleet, _idle(fleet, group), 600.0)
-            for n in group:
-                paused_at[n] = time.perf_counter()
-            await asyncio.gather(*(fleet.pause_replica(n) for n in group))
-        for n in group:
-            fleet._set_status(n, "updating")
-        await _apply_group(fleet, update, group, report, policies, paused_at)
+                fleet._set_status(n, "updating")
+            await _apply_group(fleet, update, group, report, policies, paused_at)
+    finally:
+        for task in pausing.values():  # an error left a prefetched pause behind
+            await asyncio.gather(task, return_exceptions=True)
+            for n in names:
+                if fleet.status(n) == "draining":
+                    await fleet.resume_replica(n)
+                    fleet._set_status(n, "active")
 
 
 async def drain(

@@ -1,0 +1,447 @@
+"""Episode checkpoints (agentroll.checkpoint): the on-disk form and its refusals, then
+episodes checkpointed mid-generation and mid-tool-call, torn down and continued by a fresh
+backend and engine, finishing exactly as uninterrupted runs do."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from agentroll.backends.base import GenerationChunk, GenerationRequest, SamplingParams
+from agentroll.backends.mock import MockBackend
+from agentroll.chat import ChatTokenizer
+from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.engine.engine import RequestSnapshot
+from agentroll.env import Environment, tool
+from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.trajectory_builder import TrajectoryBuilder
+from agentroll.types import Message, Task, ToolCall, ToolResult, Trajectory, Turn
+from agentroll.validate_checkpoint import (
+    CheckpointProbe,
+    ProbeBackend,
+    is_mid_generation,
+    probe_config,
+    same_trajectory,
+    turn_lengths,
+)
+
+# -- the on-disk form --------------------------------------------------------------------------
+
+
+def synthetic(phase: Any = "generating") -> EpisodeCheckpoint:
+    b = TrajectoryBuilder()
+    b.add_context([1, 2, 3])
+    b.add_sampled([4, 5], [-0.5, -0.25], 2, 1)
+    b.add_context([6])
+    b.add_sampled([7], [-1.5], 3, 3)
+    params = SamplingParams(max_tokens=9, seed=42, stop_token_ids=(5,))
+    snap = RequestSnapshot(
+        request_id="e-1",
+        token_ids=[1, 2, 3, 4, 5, 6, 7],
+        num_prompt_tokens=6,
+        num_computed_tokens=6,
+        kv_version=3,
+        min_kv_version=1,
+        params=params,
+        seed=42,
+        logprobs=[-1.5],
+        block_size=4,
+        model_fingerprint="fp",
+        k=torch.randn(2, 2, 4, 1, 8),
+        v=torch.randn(2, 2, 4, 1, 8),
+    )
+    call = ToolCall(id="c0", name="work", arguments={"n": 1})
+    return EpisodeCheckpoint(
+        task=Task(id="t", data={"prompt": "p", "nested": {"x": [1, 2]}}, answer=3),
+        episode_id="e",
+        group_id="g",
+        sample_index=1,
+        seed=11,
+        env_name="probe",
+        env_version="2",
+        env_state={"calls": 2},
+        state_data={"seen": [1, 2]},
+        phase=phase,
+        next_turn=1,
+        format_errors=1,
+        prompt_len=3,
+        started_at=123.5,
+        token_ids=b.token_ids.tobytes(),
+        logprobs=b.logprobs.tobytes(),
+        loss_mask=b.mask.tobytes(),
+        policy_version=b.policy.tobytes(),
+        kv_version=b.kv.tobytes(),
+        turns=[
+            Turn(
+                index=0,
+                gen_start=3,
+                gen_end=5,
+                env_end=6,
+                finish_reason="stop",
+                tool_calls=[call],
+                tool_results=[ToolResult(call_id="c0", name="work", content="ok")],
+            )
+        ],
+        messages=[Message(role="user", content="p"), Message(role="assistant", tool_calls=[call])],
+        request_id="e-1" if phase == "generating" else "",
+        gen_start=6 if phase == "generating" else 0,
+        sampling=params if phase == "generating" else None,
+        restarted_turns=2,
+        sandbox=b"a tar archive",
+        pending=snap if phase == "generating" else None,
+    )
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    cp = synthetic()
+    path = cp.save(tmp_path / "e")
+    assert sorted(p.name for p in path.iterdir()) == ["episode.msgpack", "request", "sandbox.tar"]
+    back = EpisodeCheckpoint.load(path)
+    plain = ("pending", "sandbox")
+    for field in EpisodeCheckpoint.__struct_fields__:
+        if field not in plain:
+            assert getattr(back, field) == getattr(cp, field), field
+    assert back.sandbox == cp.sandbox
+    assert cp.pending is not None and back.pending is not None
+    assert msgspec.structs.replace(back.pending, k=None, v=None) == msgspec.structs.replace(
+        cp.pending, k=None, v=None
+    )
+    assert torch.equal(back.pending.k, cp.pending.k) and torch.equal(back.pending.v, cp.pending.v)
+    b = back.builder()
+    assert b.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and b.mask.tolist() == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        0,
+        1,
+    ]
+    assert b.policy.tolist() == [-1, -1, -1, 2, 2, -1, 3] and b.logprobs[6] == -1.5
+    # saving again replaces the directory atomically, and leaves no temp directory behind
+    msgspec.structs.replace(cp, phase="turn", pending=None, sandbox=None).save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+    assert EpisodeCheckpoint.load(path).phase == "turn" and not (path / "request").exists()
+
+
+def test_load_checkpoints_orders_by_episode_and_skips_temp_dirs(tmp_path: Path) -> None:
+    for name in ("b", "a"):
+        msgspec.structs.replace(synthetic("turn"), episode_id=name).save(tmp_path / name)
+    (tmp_path / ".c.tmp123").mkdir()  # a save that a crash interrupted
+    (tmp_path / ".c.tmp123" / "episode.msgpack").write_bytes(b"partial")
+    assert [cp.episode_id for cp in load_checkpoints(tmp_path)] == ["a", "b"]
+    assert load_checkpoints(tmp_path / "missing") == []
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "garbage":
+        (path / "episode.msgpack").write_bytes(b"\x93not a checkpoint")
+    elif how == "truncated":
+        data = (path / "episode.msgpack").read_bytes()
+        (path / "episode.msgpack").write_bytes(data[: len(data) // 2])
+    elif how == "no_request":
+        for f in (path / "request").iterdir():
+            f.unlink()
+        (path / "request").rmdir()
+    elif how == "request_meta":
+        (path / "request" / "meta.msgpack").write_bytes(b"\x00\x01")
+    elif how == "request_kv":
+        (path / "request" / "kv.safetensors").unlink()
+    elif how == "ragged":
+        cp = EpisodeCheckpoint.load(path)
+        msgspec.structs.replace(cp, logprobs=cp.logprobs[:-4]).save(path)
+    elif how == "format":
+        cp = EpisodeCheckpoint.load(path)
+        msgspec.structs.replace(cp, format=99).save(path)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("garbage", "unreadable episode.msgpack"),
+        ("truncated", "unreadable episode.msgpack"),
+        ("no_request", "mid-generation but has no request/"),
+        ("request_meta", "unreadable meta.msgpack"),
+        ("request_kv", "unreadable kv.safetensors"),
+        ("ragged", "ragged token arrays"),
+        ("format", "has format 99"),
+    ],
+)
+def test_damaged_checkpoints_are_refused(tmp_path: Path, how: str, message: str) -> None:
+    path = synthetic().save(tmp_path / "e")
+    _damage(path, how)
+    with pytest.raises(ValueError, match=message):
+        EpisodeCheckpoint.load(path)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoints(tmp_path)
+
+
+# -- continuing on the tiny model ------------------------------------------------------------------
+
+
+def probe_tasks() -> list[Task]:
+    return CheckpointProbe().tasks()
+
+
+async def reference_run(model: Path) -> dict[str, Trajectory]:
+    backend = ProbeBackend(model, batch_invariant=True)
+    async with backend, RolloutEngine(backend, CheckpointProbe(), probe_config()) as engine:
+        return {t.task_id: t async for t in engine.run(probe_tasks())}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> dict[str, Trajectory]:
+    """The uninterrupted runs of the probe tasks (computed once for this module)."""
+    return asyncio.run(reference_run(tiny_model))
+
+
+async def checkpointed_run(
+    model: Path, reference: dict[str, Trajectory], directory: Path, *, with_kv: bool
+) -> tuple[list[Trajectory], list[Path], list[str]]:
+    """Run the probe tasks; pause when a generation is mid-way while a tool call is held
+    open, release the tool call, checkpoint, and tear everything down.  Returns the
+    trajectories that finished, the checkpoint paths and the held episode."""
+    lengths = turn_lengths(list(reference.values()))
+    release, paused = asyncio.Event(), asyncio.Event()
+    env = CheckpointProbe(hold=release.wait)
+    backend = ProbeBackend(model, batch_invariant=True)
+
+    async def on_chunk(request: GenerationRequest, n: int) -> None:
+        if not paused.is_set() and env.held and is_mid_generation(lengths, request, n):
+            await engine.pause()  # at this token boundary of this generation
+            paused.set()
+
+    backend.on_chunk = on_chunk
+    finished: list[Trajectory] = []
+    async with backend, RolloutEngine(backend, env, probe_config(concurrency=4)) as engine:
+
+        async def consume() -> None:
+            async for t in engine.run(probe_tasks()):
+                finished.append(t)
+
+        consumer = asyncio.create_task(consume())
+        await paused.wait()
+        release.set()  # the held tool call finishes while paused; its result is kept
+        paths = await engine.checkpoint(directory, with_kv=with_kv)
+        consumer.cancel()
+        await asyncio.wait({consumer})
+    return finished, paths, env.held
+
+
+async def continue_run(
+    model: Path, directory: Path, *, pause_first: Path | None = None
+) -> tuple[list[Trajectory], dict[str, int]]:
+    """A fresh backend and engine continue every checkpoint under ``directory``.  With
+    ``pause_first``, the engine is paused before anything runs and, once every episode is
+    restored, checkpointed again into that directory instead (nothing finishes)."""
+    checkpoints = load_checkpoints(directory)
+    backend = ProbeBackend(model, batch_invariant=True)
+    async with (
+        backend,
+        RolloutEngine(backend, CheckpointProbe(), probe_config(concurrency=4)) as engine,
+    ):
+        if pause_first is None:
+            trajs = [t async for t in engine.run([], checkpoints=checkpoints)]
+            return trajs, dict(engine.stats)
+        restored, all_in = 0, asyncio.Event()
+        restore = engine._restore_run
+
+        async def counting(run: Any, cp: EpisodeCheckpoint) -> None:
+            nonlocal restored
+            await restore(run, cp)
+            restored += 1
+            if restored == len(checkpoints):
+                all_in.set()
+
+        engine._restore_run = counting  # type: ignore[method-assign]
+        await engine.pause()
+        consumer = asyncio.create_task(first(engine.run([], checkpoints=checkpoints)))
+        await all_in.wait()
+        await engine.checkpoint(pause_first)
+        assert not consumer.done()
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        return [], dict(engine.stats)
+
+
+async def first(trajectories: AsyncIterator[Trajectory]) -> Trajectory:
+    return await anext(aiter(trajectories))
+
+
+def check_against(reference: dict[str, Trajectory], trajs: list[Trajectory]) -> None:
+    assert sorted(t.task_id for t in trajs) == sorted(reference)  # each task exactly once
+    for t in trajs:
+        assert same_trajectory(reference[t.task_id], t), t.task_id
+
+
+def sandbox_files(blob: bytes | None) -> dict[str, bytes]:
+    assert blob is not None
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        return {m.name: f.read() for m in tar.getmembers() if (f := tar.extractfile(m)) is not None}
+
+
+@pytest.mark.parametrize("with_kv", [True, False])
+async def test_checkpoint_mid_generation_and_mid_tool_then_continue_elsewhere(
+    tiny_model: Path, tmp_path: Path, reference: dict[str, Trajectory], with_kv: bool
+) -> None:
+    finished, paths, held = await checkpointed_run(
+        tiny_model, reference, tmp_path / "cp", with_kv=with_kv
+    )
+    cps = {cp.episode_id: cp for cp in load_checkpoints(tmp_path / "cp")}
+    assert sorted(p.name for p in paths) == sorted(cps) and len(cps) + len(finished) == 4
+    mid_gen = [cp for cp in cps.values() if cp.phase == "generating"]
+    assert any(len(cp.builder()) > cp.gen_start for cp in mid_gen)  # tokens of the turn kept
+    for cp in mid_gen:
+        assert cp.pending is not None and (cp.pending.k is not None) == with_kv
+        assert cp.pending.num_generated == len(cp.builder()) - cp.gen_start
+    [tool_cp] = [cps[e] for e in held]  # the held call finished before the checkpoint
+    assert tool_cp.phase == "turn" and tool_cp.turns[-1].tool_results
+    assert tool_cp.env_state == {"calls": len(tool_cp.turns)}
+    log = sandbox_files(tool_cp.sandbox)["log.txt"].decode()
+    assert len(log.splitlines()) == len(tool_cp.turns)  # the sandbox file made it to disk
+
+    restored, stats = await continue_run(tiny_model, tmp_path / "cp")
+    check_against(reference, finished + restored)
+    assert stats["restarted_turns"] == 0
+    assert all(t.metrics["restarted_turns"] == 0 for t in restored)
+
+
+async def test_a_restored_episode_checkpointed_again_before_it_runs(
+    tiny_model: Path, tmp_path: Path, reference: dict[str, Trajectory]
+) -> None:
+    finished, _, _ = await checkpointed_run(tiny_model, reference, tmp_path / "a", with_kv=True)
+    assert any(cp.phase == "generating" for cp in load_checkpoints(tmp_path / "a"))
+    await continue_run(tiny_model, tmp_path / "a", pause_first=tmp_path / "b")
+    again = load_checkpoints(tmp_path / "b")
+    first = {cp.episode_id: cp for cp in load_checkpoints(tmp_path / "a")}
+    for cp in again:  # the pending generation is still pending, with its snapshot
+        assert (cp.phase, cp.token_ids, cp.gen_start) == (
+            first[cp.episode_id].phase,
+            first[cp.episode_id].token_ids,
+            first[cp.episode_id].gen_start,
+        )
+        assert (cp.pending is None) == (first[cp.episode_id].pending is None)
+    restored, _ = await continue_run(tiny_model, tmp_path / "b")
+    check_against(reference, finished + restored)
+
+
+# -- a backend without snapshots -------------------------------------------------------------------
+
+
+class Tools(Environment):
+    max_turns = 3
+
+    @tool
+    def add(self, a: int, b: int) -> str:
+        """Add."""
+        return str(a + b)
+
+
+SCRIPT = [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    "the answer is five, as the tool said",
+]
+
+
+class Gated(MockBackend):
+    """Stops each turn-1 request after its first chunk until ``proceed`` is set."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arrived, self.proceed = asyncio.Event(), asyncio.Event()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        first = True
+        async for chunk in super().generate(request):
+            yield chunk
+            if first and request.turn_index == 1:
+                first = False
+                self.arrived.set()
+                await self.proceed.wait()
+
+
+async def test_without_snapshots_a_mid_generation_checkpoint_regenerates_the_turn(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    cfg = RolloutConfig(progress="off")
+    task = Task(id="t", data={"prompt": "2 + 3?"})
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        [ref] = [t async for t in engine.run([task])]
+
+    backend = Gated(SCRIPT, tokenizer=tok, chunk_size=3)
+    async with RolloutEngine(backend, Tools(), cfg) as engine:
+        consumer = asyncio.create_task(first(engine.run([task])))
+        await backend.arrived.wait()  # three tokens into turn 1
+        await engine.pause()
+        backend.proceed.set()
+        await engine.checkpoint(tmp_path)
+        consumer.cancel()
+        await asyncio.wait({consumer})
+    [cp] = load_checkpoints(tmp_path)
+    assert (cp.phase, cp.dropped_generation, cp.next_turn) == ("turn", True, 1)
+    assert len(cp.builder()) == ref.turns[1].gen_start  # the partial turn was dropped
+
+    fresh = MockBackend(SCRIPT, tokenizer=tok, record=True)
+    async with RolloutEngine(fresh, Tools(), cfg) as engine:
+        [got] = [t async for t in engine.run([], checkpoints=[cp])]
+        assert engine.stats["restarted_turns"] == 1
+    assert got.metrics["restarted_turns"] == 1 and same_trajectory(ref, got)
+    assert [r.turn_index for r in fresh.requests] == [1]  # only the dropped turn was redone
+
+
+async def test_a_checkpoint_of_another_environment_fails_its_episode(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    cp = msgspec.structs.replace(synthetic("turn"), env_name="someone_else")
+    async with RolloutEngine(
+        MockBackend(["x"], tokenizer=tok), Tools(), RolloutConfig(progress="off")
+    ) as engine:
+        [t] = [t async for t in engine.run([], checkpoints=[cp])]
+    assert t.status == "failed" and "environment 'someone_else'" in (t.error or "")
+
+
+async def test_a_turn_cut_by_the_token_budget_keeps_its_stop_reason_across_a_restore(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    class Budget(Environment):
+        max_turns = 2
+        max_total_tokens = 60  # the first turn is cut by this budget, not by max_tokens
+
+    cfg = RolloutConfig(progress="off", sampling=SamplingParams(max_tokens=64))
+    task = Task(id="t", data={"prompt": "hello"})
+
+    async def run(tasks: list[Task], checkpoints: list[EpisodeCheckpoint]) -> Trajectory:
+        backend = ProbeBackend(tiny_model, batch_invariant=True)
+        async with backend, RolloutEngine(backend, Budget(), cfg) as engine:
+            [traj] = [t async for t in engine.run(tasks, checkpoints=checkpoints)]
+        return traj
+
+    ref = await run([task], [])
+    assert ref.stop_reason == "token_budget" and ref.num_tokens == 60
+
+    backend = ProbeBackend(tiny_model, batch_invariant=True)
+    paused = asyncio.Event()
+
+    async def on_chunk(request: GenerationRequest, n: int) -> None:
+        if n >= 5 and not paused.is_set():
+            await engine.pause()
+            paused.set()
+
+    backend.on_chunk = on_chunk
+    async with backend, RolloutEngine(backend, Budget(), cfg) as engine:
+        consumer = asyncio.create_task(first(engine.run([task])))
+        await paused.wait()
+        await engine.checkpoint(tmp_path)
+        consumer.cancel()
+        await asyncio.wait({consumer})
+    [cp] = load_checkpoints(tmp_path)
+    assert cp.phase == "generating"
+    assert same_trajectory(ref, await run([], [cp]))
