@@ -338,6 +338,7 @@ async def check_batch_invariance(
 def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
     """All checks, in order, with the engine on ``device``."""
     from agentroll.validate_checkpoint import check_episode_checkpoint_parity
+    from agentroll.validate_fleet import check_provenance, check_rolling_versions
 
     out = [
         asyncio.run(check_token_parity_pause(model, device=device)),
@@ -346,6 +347,8 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         check_reference_parity(model, device=device),
         asyncio.run(check_batch_invariance(model, device=device)),
         check_episode_checkpoint_parity(model, device=device),
+        asyncio.run(check_provenance(model, device=device)),
+        asyncio.run(check_rolling_versions(model, device=device)),
     ]
     for r in out:
         if not r.passed:
