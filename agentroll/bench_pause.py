@@ -45,9 +45,57 @@ async def run_pause_bench(
     model: str | Path | None = None,
     max_tokens: int = 96,
     seed: int = 0,
+    kind: str = "local",
+    in_flight: str = "migrate",
     verbose: bool = True,
 ) -> dict[str, Any]:
+    if kind == "ray":
+        from agentroll.fleet.ray import local_cluster
+
+        with local_cluster(num_cpus=max(4, replicas)):
+            return await _run(
+                replicas,
+                episodes,
+                syncs,
+                strategy,
+                policy,
+                model,
+                max_tokens,
+                seed,
+                kind,
+                in_flight,
+                verbose,
+            )
+    return await _run(
+        replicas,
+        episodes,
+        syncs,
+        strategy,
+        policy,
+        model,
+        max_tokens,
+        seed,
+        kind,
+        in_flight,
+        verbose,
+    )
+
+
+async def _run(
+    replicas: int,
+    episodes: int,
+    syncs: int,
+    strategy: str,
+    policy: ResumePolicy,
+    model: str | Path | None,
+    max_tokens: int,
+    seed: int,
+    kind: str,
+    in_flight: str,
+    verbose: bool,
+) -> dict[str, Any]:
     from agentroll.backends.torch import TorchBackend
+    from agentroll.chat import ChatTokenizer
     from agentroll.env import load_environment
     from agentroll.fleet import FleetBackend, LocalReplica
     from agentroll.pause import fixed_policy
@@ -61,12 +109,21 @@ async def run_pause_bench(
     rng = random.Random(seed)
     total_tokens = episodes * max_tokens  # every generation runs to max_tokens (ignore_eos)
     triggers = sorted(rng.uniform(0.05, 0.85) * total_tokens for _ in range(syncs))
-    reps = [
-        LocalReplica(TorchBackend(model_dir, max_num_seqs=64), name=f"replica-{i}")
-        for i in range(replicas)
-    ]
-    fleet = FleetBackend(reps, strategy=strategy)  # type: ignore[arg-type]
+    reps: list[Any]
+    if kind == "ray":
+        from agentroll.fleet.ray import RayReplica
+
+        reps = [
+            RayReplica(model_dir, name=f"replica-{i}", max_num_seqs=64) for i in range(replicas)
+        ]
+    else:
+        reps = [
+            LocalReplica(TorchBackend(model_dir, max_num_seqs=64), name=f"replica-{i}")
+            for i in range(replicas)
+        ]
+    fleet = FleetBackend(reps, strategy=strategy, in_flight=in_flight)  # type: ignore[arg-type]
     env = load_environment("calculator")
+    tokenizer = ChatTokenizer.from_pretrained(model_dir)
     trainer = SyntheticTrainer(model_dir, seed=seed)
     cfg = RolloutConfig(
         concurrency=episodes,
@@ -78,7 +135,7 @@ async def run_pause_bench(
     trajs: list[Any] = []
     t_start = time.perf_counter()
     async with fleet:
-        async with RolloutEngine(fleet, env, cfg) as engine:
+        async with RolloutEngine(fleet, env, cfg, tokenizer=tokenizer) as engine:
             engine.pauses.policy = fixed_policy(policy)
 
             async def syncer() -> list[Any]:
@@ -96,13 +153,18 @@ async def run_pause_bench(
             async for traj in engine.run(tasks):
                 trajs.append(traj)
             reports = await sync_task
-        steps = [r.backend.steps for r in reps]  # type: ignore[attr-defined]
-        busy = [r.backend.busy_seconds for r in reps]  # type: ignore[attr-defined]
+        steps = [await r.steps() for r in reps]
+        busy = [await r.busy_seconds() for r in reps]
     wall = time.perf_counter() - t_start
     pauses = [ms for r in reports for ms in r.pause_ms]
     weight = sum(r.seconds * replicas for r in reports)
     busy_frac = (
         sum(r.busy_fraction * r.seconds * replicas for r in reports) / weight
+        if weight
+        else float("nan")
+    )
+    step_frac = (
+        sum(r.step_fraction * r.seconds * replicas for r in reports) / weight
         if weight
         else float("nan")
     )
@@ -118,18 +180,21 @@ async def run_pause_bench(
         "pause_p50_ms": statistics.median(pauses) if pauses else float("nan"),
         "pause_p99_ms": _percentile(pauses, 0.99),
         "busy_fraction_during_sync": busy_frac,
+        "step_fraction_during_sync": step_frac,
         "lost": lost,
         "decode_step_ms": step_ms,
         "syncs": len(reports),
         "migrated": st.migrated,
         "wall_s": wall,
         "failed_updates": sum(len(r.failed) for r in reports),
+        "sync_p50_s": statistics.median(r.seconds for r in reports) if reports else float("nan"),
     }
     if verbose:
         print(
-            f"info: replicas={replicas} episodes={episodes} syncs={len(reports)} "
+            f"info: kind={kind} in_flight={in_flight} replicas={replicas} episodes={episodes} syncs={len(reports)} "
             f"decode_step_ms={step_ms:.1f} pause_target_ms={step_ms + 50:.1f} "
-            f"migrated={st.migrated} failed_updates={result['failed_updates']} wall_s={wall:.1f}",
+            f"step_fraction_during_sync={step_frac:.3f} "
+            f"sync_p50_s={result['sync_p50_s']:.3f} migrated={st.migrated} failed_updates={result['failed_updates']} wall_s={wall:.1f}",
             flush=True,
         )
     return result

@@ -55,6 +55,19 @@ def _build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--max-tokens", type=int, default=96, help="tokens per generation")
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
+    bp.add_argument(
+        "--in-flight",
+        default="migrate",
+        choices=["migrate", "finish"],
+        help="rolling: calls in flight on a group move at once (with their KV) or finish there "
+        "first (moved after 5 s)",
+    )
+    bp.add_argument(
+        "--kind",
+        default="local",
+        choices=["local", "ray"],
+        help="replicas in this process, or Ray actors on a local loopback-only cluster",
+    )
 
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                     model=args.model,
                     max_tokens=args.max_tokens,
                     seed=args.seed,
+                    kind=args.kind,
+                    in_flight=args.in_flight,
                 )
             )
             print(format_line(figures))

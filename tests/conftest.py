@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,41 +50,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
-    """One local Ray cluster for the session (3-5 s to start on the 2-core box): 4 logical CPUs,
-    every server bound to 127.0.0.1, token authentication with a token kept in the
-    environment (nothing written to ~/.ray), no usage stats, no dashboard, files under a
-    fresh /tmp directory that is removed afterwards.  Yields the ``ray`` module."""
-    with pytest.MonkeyPatch.context() as mp:
-        # read when ray is imported: bind to loopback instead of the host's address
-        mp.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # ray.init turns token authentication on (and sets RAY_AUTH_MODE, undone at the end);
-        # with a token here it writes none to ~/.ray
-        mp.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-        mp.delenv("RAY_AUTH_MODE", raising=False)
-        try:
-            import ray
-            from ray._private import ray_constants
-        except ImportError as exc:
-            pytest.skip(f"ray is not installed ({exc}); pip install 'agentroll[ray]'")
-        # ray may have been imported before the variable was set
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False, raising=False)
-        if ray.is_initialized():
-            pytest.fail("a Ray cluster is already connected; the ray tests start their own")
-        temp_dir = tempfile.mkdtemp(prefix="agentroll-ray-")
-        try:
-            ray.init(
-                num_cpus=4,
-                object_store_memory=200 * 2**20,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                _temp_dir=temp_dir,
-            )
-            yield ray
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    """One local Ray cluster for the session (3-5 s to start on the 2-core box), loopback
+    only (agentroll.fleet.ray.local_cluster).  Yields the ``ray`` module."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"ray is not installed ({exc}); pip install 'agentroll[ray]'")
+    from agentroll.fleet.ray import local_cluster
+
+    with local_cluster(num_cpus=4) as ray_module:
+        yield ray_module
 
 
 MakeReplicas = Callable[..., Awaitable["list[Replica]"]]

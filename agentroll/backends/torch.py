@@ -85,6 +85,8 @@ class TorchBackend(Backend):
         self._failure: BaseException | None = None
         self._busy = 0.0  # wall time spent in finished engine steps
         self._step_t0: float | None = None
+        self._generating = 0.0  # wall time serving requests: not paused, work in the engine
+        self._gen_since: float | None = None
         self.steps = 0
         self._staged: Any = None
 
@@ -124,21 +126,28 @@ class TorchBackend(Backend):
         try:
             while True:
                 await self._wake.wait()
-                self._apply_commands()
-                if self._paused or not engine.has_work():
+                if self._paused or not (self._commands or engine.has_work()):
+                    self._stop_generating()
                     self._wake.clear()
                     continue
+                if self._gen_since is None:
+                    self._gen_since = time.perf_counter()
+                # Commands (new requests, restores with their KV, aborts) run on the engine
+                # thread with the step: a restore of many migrated requests must not block
+                # the event loop that every other replica and episode shares.
+                commands, self._commands = self._commands, []
                 self._idle.clear()
                 self._step_t0 = t0 = time.perf_counter()
                 try:
-                    outputs = await asyncio.shield(
-                        loop.run_in_executor(self._executor, engine.step)
+                    errors, outputs = await asyncio.shield(
+                        loop.run_in_executor(self._executor, self._work, commands)
                     )
                 finally:
                     self._busy += time.perf_counter() - t0
                     self._step_t0 = None
                     self.steps += 1
                     self._idle.set()
+                self._deliver_errors(errors)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -154,27 +163,41 @@ class TorchBackend(Backend):
             for stream in self._streams.values():
                 stream.put_nowait(BackendError(f"engine step failed: {type(exc).__name__}: {exc}"))
 
-    def _apply_commands(self) -> None:
-        commands, self._commands = self._commands, []
+    def _work(self, commands: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], list[Any]]:
+        """On the engine thread: apply ``commands``, then step if there is work."""
+        errors = self._apply(commands)
+        return errors, (self.engine.step() if self.engine.has_work() else [])
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+        """Apply queued commands to the engine; returns (request id, error) of refused ones
+        (delivered on the event loop: streams are not thread-safe)."""
+        errors: list[tuple[str, str]] = []
         for op, arg in commands:
-            if op == "add":
-                request: GenerationRequest = arg
-                try:
+            try:
+                if op == "add":
+                    request: GenerationRequest = arg
                     self.engine.add_request(
                         request.request_id, list(request.prompt_ids), request.sampling
                     )
-                except ValueError as exc:
-                    stream = self._streams.get(request.request_id)
-                    if stream is not None:
-                        stream.put_nowait(BackendError(str(exc)))
-            elif op == "abort":
-                self.engine.abort(arg)
-            elif op == "restore":
-                snap, stream = arg
-                try:
-                    self.engine.restore(snap)
-                except ValueError as exc:
-                    stream.put_nowait(BackendError(str(exc)))
+                elif op == "abort":
+                    self.engine.abort(arg)
+                elif op == "restore":
+                    self.engine.restore(arg)
+            except ValueError as exc:
+                rid = arg.request_id if op in ("add", "restore") else str(arg)
+                errors.append((rid, str(exc)))
+        return errors
+
+    def _deliver_errors(self, errors: list[tuple[str, str]]) -> None:
+        for rid, message in errors:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(BackendError(message))
+
+    def _apply_commands(self) -> None:
+        """Apply queued commands on the event loop (only while no step is in flight)."""
+        commands, self._commands = self._commands, []
+        self._deliver_errors(self._apply(commands))
 
     def _submit(self, op: str, arg: Any) -> None:
         self._commands.append((op, arg))
@@ -203,7 +226,7 @@ class TorchBackend(Backend):
         """Continue a request from a ``RequestSnapshot`` (taken here or in another process);
         yields the tokens sampled after the snapshot."""
         stream = self._open(snapshot.request_id)
-        self._submit("restore", (snapshot, stream))
+        self._submit("restore", snapshot)
         async for chunk in self._stream(snapshot.request_id, stream):
             yield chunk
 
@@ -270,6 +293,7 @@ class TorchBackend(Backend):
         self._paused = True
         self._policy = policy
         await self._idle.wait()
+        self._stop_generating()
         self._apply_commands()
         self.engine.pause_all()
 
@@ -291,6 +315,18 @@ class TorchBackend(Backend):
         """Wall time spent in engine steps so far, the step in flight included."""
         t0 = self._step_t0
         return self._busy + (time.perf_counter() - t0 if t0 is not None else 0.0)
+
+    @property
+    def generating_seconds(self) -> float:
+        """Wall time spent serving requests so far: not paused, and the engine had requests
+        (steps, and the scheduling between back-to-back steps)."""
+        since = self._gen_since
+        return self._generating + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _stop_generating(self) -> None:
+        if self._gen_since is not None:
+            self._generating += time.perf_counter() - self._gen_since
+            self._gen_since = None
 
     @property
     def paused(self) -> bool:

@@ -43,7 +43,8 @@ class SyncReport(msgspec.Struct, kw_only=True):
     version: int
     seconds: float = 0.0
     pause_ms: list[float] = []  # one entry per replica pause (stop -> resume)
-    busy_fraction: float = 0.0  # replica-time spent in forward passes during the sync
+    busy_fraction: float = 0.0  # replica-time spent serving requests during the sync
+    step_fraction: float = 0.0  # replica-time spent inside engine steps during the sync
     migrated: int = 0
     tokens_recomputed: int = 0
     failed: dict[str, str] = {}  # replica -> why its update failed (it left the rotation)
@@ -109,11 +110,13 @@ class FleetBackend(Backend):
         strategy: Strategy = "pause",
         group_size: int = 1,
         in_flight: Literal["migrate", "finish"] = "migrate",
+        drain_timeout: float = 5.0,
         pin_versions: bool = False,
         migrate_with_kv: bool = True,
         affinity_slack: int = 2,
         capacity: int = 64,
         background_max_bytes: int | None = None,
+        stage_updates: bool = True,
         pin_timeout: float = 600.0,
     ) -> None:
         if not replicas:
@@ -128,10 +131,16 @@ class FleetBackend(Backend):
         self.replicas = {r.name: r for r in replicas}
         self.strategy: Strategy = strategy
         self.group_size = group_size
+        if in_flight not in ("migrate", "finish"):
+            raise ConfigError(f"in_flight must be 'migrate' or 'finish', not {in_flight!r}")
+        if drain_timeout < 0:
+            raise ConfigError("drain_timeout must be >= 0 seconds")
         self.in_flight = in_flight
+        self.drain_timeout = drain_timeout
         self.pin_versions = pin_versions
         self.migrate_with_kv = migrate_with_kv
         self.background_max_bytes = background_max_bytes
+        self.stage_updates = stage_updates
         self.pin_timeout = pin_timeout
         self.router = Router(affinity_slack=affinity_slack)
         self._capacity = capacity
@@ -540,20 +549,27 @@ class FleetBackend(Backend):
                 )
             t_busy = time.perf_counter()
             busy0 = await self._busy(names)
+            steps0 = await self._busy(names, "busy_seconds")
             t0 = time.perf_counter()
             report = SyncReport(strategy=chosen, version=update.version)
             migrated0, recomputed0 = self.stats.migrated, self.stats.tokens_recomputed
-            await getattr(strategies, chosen)(self, update, names, report, policies)
+            try:
+                await getattr(strategies, chosen)(self, update, names, report, policies)
+            except BaseException:
+                await self._recover(names)
+                raise
             report.seconds = time.perf_counter() - t0
             busy1 = await self._busy(names)
+            steps1 = await self._busy(names, "busy_seconds")
             # the same window brackets both samples of every replica (a remote replica's
             # sample takes a round trip), so the fraction is at most 1
             window = time.perf_counter() - t_busy
             alive = [n for n in names if n in busy1 and n in busy0]
             if alive and window > 0:
-                report.busy_fraction = sum(busy1[n] - busy0[n] for n in alive) / (
-                    len(alive) * window
-                )
+                span = len(alive) * window
+                report.busy_fraction = sum(busy1[n] - busy0[n] for n in alive) / span
+                alive = [n for n in alive if n in steps0 and n in steps1]
+                report.step_fraction = sum(steps1[n] - steps0[n] for n in alive) / span
             report.migrated = self.stats.migrated - migrated0
             report.tokens_recomputed = self.stats.tokens_recomputed - recomputed0
             self.reports.append(report)
@@ -569,9 +585,20 @@ class FleetBackend(Backend):
                 await self._evacuate(n)
             return report
 
-    async def _busy(self, names: list[str]) -> dict[str, float]:
+    async def _recover(self, names: list[str]) -> None:
+        """After a strategy broke off: resume what it paused and put what it took out of
+        routing back (each replica serves the version it has), so the fleet is not wedged."""
+        for n in names:
+            if n in self.paused_replicas:
+                with contextlib.suppress(Exception):
+                    await self.resume_replica(n)
+            if self.router.slots[n].status in ("draining", "updating"):
+                self._set_status(n, "active")
+
+    async def _busy(self, names: list[str], what: str = "generating_seconds") -> dict[str, float]:
+        """Per replica: seconds spent serving requests (default) or inside engine steps."""
         got = await asyncio.gather(
-            *(self.replicas[n].busy_seconds() for n in names), return_exceptions=True
+            *(getattr(self.replicas[n], what)() for n in names), return_exceptions=True
         )
         out = {}
         for n, busy in zip(names, got, strict=True):
@@ -582,15 +609,18 @@ class FleetBackend(Backend):
             out[n] = busy
         return out
 
-    async def apply_on(self, name: str, update: Any, report: SyncReport) -> bool:
-        """Apply on one paused replica; on failure it keeps its old weights and leaves the
-        rotation (status ``failed``); ``update`` moves its calls once the others are done."""
+    async def apply_on(
+        self, name: str, update: Any, report: SyncReport, *, staged: bool = False
+    ) -> bool:
+        """Apply on one paused replica (``staged``: install the copy ``stage`` verified
+        earlier, a memcpy); on failure it keeps its old weights and leaves the rotation
+        (status ``failed``); ``update`` moves its calls once the others are done."""
         replica = self.replicas[name]
         if self.router.slots[name].status == "down":  # found dead while pausing
             report.failed[name] = "down"
             return False
         try:
-            version = await replica.apply(update)
+            version = await (replica.swap() if staged else replica.apply(update))
         except ReplicaDown as exc:
             report.failed[name] = f"down: {exc}"
             self._mark_down(name)

@@ -221,6 +221,12 @@ class _ReplicaHost:
     async def busy_seconds(self) -> float:
         return float(self._live().busy_seconds)
 
+    async def steps(self) -> int:
+        return int(self._live().steps)
+
+    async def generating_seconds(self) -> float:
+        return float(self._live().generating_seconds)
+
     async def stop(self) -> None:
         """Close the backend; every open stream ends with an error."""
         backend, self._backend = self._backend, None
@@ -465,5 +471,70 @@ class RayReplica(Replica):
     async def busy_seconds(self) -> float:
         return float(await self._call("busy_seconds"))
 
+    async def steps(self) -> int:
+        return int(await self._call("steps"))
 
-__all__ = ["RayReplica"]
+    async def generating_seconds(self) -> float:
+        return float(await self._call("generating_seconds"))
+
+
+@contextlib.contextmanager
+def local_cluster(num_cpus: int = 4, object_store_mb: int = 200) -> Any:
+    """A Ray cluster on this machine for tests and benchmarks: every server bound to
+    127.0.0.1, token authentication with a token kept in this process's environment
+    (nothing written to ~/.ray), no usage stats, no dashboard, files under a fresh /tmp
+    directory removed afterwards.  Yields the ``ray`` module; shuts the cluster down."""
+    import os
+    import secrets
+    import shutil
+    import tempfile
+
+    saved = {k: os.environ.get(k) for k in _CLUSTER_ENV}
+    # read when ray is imported: bind to loopback instead of the host's address
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # ray.init turns token authentication on; with a token here it writes none to ~/.ray
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    os.environ.pop("RAY_AUTH_MODE", None)
+    temp_dir = tempfile.mkdtemp(prefix="agentroll-ray-")
+    try:
+        ray = require("ray", "ray")
+        from ray._private import ray_constants
+
+        # ray may have been imported before the variable was set
+        saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        if ray.is_initialized():
+            raise ConfigError("a Ray cluster is already connected; local_cluster() starts its own")
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                object_store_memory=object_store_mb * 2**20,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                _temp_dir=temp_dir,
+            )
+            yield ray
+        finally:
+            ray.shutdown()
+            if saved_flag is not None:
+                ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_CLUSTER_ENV = (
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "RAY_USAGE_STATS_ENABLED",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_MODE",
+)
+
+
+__all__ = ["RayReplica", "local_cluster"]

@@ -103,6 +103,14 @@ class Replica(abc.ABC):
         """Wall time spent in forward passes so far."""
         return 0.0
 
+    async def steps(self) -> int:
+        """Forward passes (engine steps) so far."""
+        return 0
+
+    async def generating_seconds(self) -> float:
+        """Wall time spent serving requests (not paused, requests in the engine) so far."""
+        return 0.0
+
 
 class LocalReplica(Replica):
     """A replica in this process over a ``Backend`` (``TorchBackend`` for every feature;
@@ -214,6 +222,12 @@ class LocalReplica(Replica):
 
     async def busy_seconds(self) -> float:
         return float(getattr(self.backend, "busy_seconds", 0.0))
+
+    async def steps(self) -> int:
+        return int(getattr(self.backend, "steps", 0))
+
+    async def generating_seconds(self) -> float:
+        return float(getattr(self.backend, "generating_seconds", 0.0))
 
 
 __all__ = ["LocalReplica", "Replica", "ReplicaDown"]

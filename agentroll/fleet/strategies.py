@@ -7,9 +7,13 @@ update ``active`` at the new version.
 
 - ``pause``: every replica stops at a token boundary, applies, resumes (in-flight requests
   under their resume policy).  Shortest sync, the whole fleet stalls for it.
-- ``rolling``: replicas are updated ``group_size`` at a time; a group stops taking calls,
-  its in-flight calls migrate to the other replicas with their KV (or finish first), it
-  applies and rejoins, so the others keep generating throughout.  With pinned episodes the
+- ``rolling``: every replica first verifies the update into a second copy while still
+  generating (where memory allows; else it applies while paused); then replicas are updated
+  ``group_size`` at a time: a group stops taking calls, its in-flight calls migrate at once
+  to the other replicas with their KV (``in_flight="migrate"``, the default: the sync takes
+  a few pauses) or finish there first (``in_flight="finish"``: the sync lasts as long as
+  the longest call, up to ``drain_timeout``, after which the rest migrates), it installs
+  the update and rejoins, so the others keep generating throughout.  With pinned episodes the
   last replicas of a version wait until no live episode is pinned to it.
 - ``drain``: no new calls; every in-flight call finishes; then apply everywhere.
 - ``background``: each replica verifies the update into a second copy of the touched
@@ -26,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentroll.errors import WeightSyncError
+from agentroll.fleet.replica import ReplicaDown
 
 if TYPE_CHECKING:
     from agentroll.fleet.backend import FleetBackend, PolicySource, SyncReport
@@ -58,8 +63,11 @@ async def _apply_group(
     report: SyncReport,
     policies: PolicySource | None,
     paused_at: dict[str, float],
+    staged: set[str] | frozenset[str] = frozenset(),
 ) -> None:
-    ok = await asyncio.gather(*(fleet.apply_on(n, update, report) for n in group))
+    ok = await asyncio.gather(
+        *(fleet.apply_on(n, update, report, staged=n in staged) for n in group)
+    )
     chosen = policies() if policies is not None else None
     await asyncio.gather(*(fleet.resume_replica(n, chosen) for n in group))
     now = time.perf_counter()
@@ -143,9 +151,22 @@ async def rolling(
     groups = [names[i : i + fleet.group_size] for i in range(0, len(names), fleet.group_size)]
     # Pipelining: while group k applies, group k+1 (already out of routing) runs to its next
     # token boundary, so k+1's calls move to k the moment k rejoins and k never idles.
-    prefetch = fleet.in_flight == "migrate" and not fleet.pin_versions
+    # With two groups the next one is the only place the calls can move to: taking it out of
+    # routing early would stall the whole fleet, so pipelining needs a third.
+    prefetch = fleet.in_flight == "migrate" and not fleet.pin_versions and len(groups) > 2
     pausing: dict[int, asyncio.Task[Any]] = {}
     paused_at: dict[str, float] = {}
+    # Verify the update into a second copy on every replica while they all still generate
+    # (where memory allows): a group's pause then holds a memcpy instead of the whole apply.
+    staged: set[str] = set()
+    if fleet.stage_updates:
+        results = await asyncio.gather(
+            *(fleet.replicas[n].stage(update, max_bytes=fleet.background_max_bytes) for n in names),
+            return_exceptions=True,
+        )
+        staged = {
+            n for n, r in zip(names, results, strict=True) if not isinstance(r, BaseException)
+        }
 
     def start_pause(i: int) -> None:
         for n in groups[i]:
@@ -162,8 +183,8 @@ async def rolling(
                     await _pin_wait(fleet, group)
                 for n in group:
                     fleet._set_status(n, "draining")
-                if fleet.in_flight == "finish":
-                    await _wait(fleet, _idle(fleet, group), 600.0)
+                if fleet.in_flight == "finish":  # what is left after the deadline moves
+                    await _wait(fleet, _idle(fleet, group), fleet.drain_timeout)
                 start_pause(i)
             await pausing.pop(i)
             if prefetch and i + 1 < len(groups):
@@ -181,7 +202,7 @@ async def rolling(
                 start_pause(i + 1)
             for n in group:
                 fleet._set_status(n, "updating")
-            await _apply_group(fleet, update, group, report, policies, paused_at)
+            await _apply_group(fleet, update, group, report, policies, paused_at, staged)
     finally:
         for task in pausing.values():  # an error left a prefetched pause behind
             await asyncio.gather(task, return_exceptions=True)
@@ -217,7 +238,15 @@ async def background(
         *(fleet.replicas[n].stage(update, max_bytes=fleet.background_max_bytes) for n in names),
         return_exceptions=True,
     )
-    refused = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)}
+    down = {n: r for n, r in zip(names, results, strict=True) if isinstance(r, ReplicaDown)}
+    for n, exc in down.items():  # a dead replica must not block the others' updates forever
+        report.failed[n] = f"down: {exc}"
+        fleet._mark_down(n)
+    refused = {
+        n: r
+        for n, r in zip(names, results, strict=True)
+        if isinstance(r, BaseException) and n not in down
+    }
     if refused:
         why = "; ".join(f"{n}: {r}" for n, r in refused.items())
         raise WeightSyncError(
@@ -225,9 +254,15 @@ async def background(
             "use the pause or rolling strategy"
         )
     for n in names:
+        if n in down:
+            continue
         t0 = time.perf_counter()
         try:
             version = await fleet.replicas[n].swap()
+        except ReplicaDown as exc:
+            report.failed[n] = f"down: {exc}"
+            fleet._mark_down(n)
+            continue
         except Exception as exc:
             report.failed[n] = f"{type(exc).__name__}: {exc}"
             fleet._set_status(n, "failed")
