@@ -14,6 +14,7 @@ from agentroll.backends import (
     SamplingParams,
 )
 from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
+from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
 from agentroll.env import Environment, EpisodeState, Rubric, load_environment
 from agentroll.errors import (
     AgentrollError,
@@ -29,6 +30,7 @@ from agentroll.errors import (
     ToolError,
     WeightSyncError,
 )
+from agentroll.pause import EpisodeView, fixed_policy, staleness_policy
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
 from agentroll.tool import Tool, tool
@@ -58,8 +60,10 @@ __all__ = [
     "ConfigError",
     "EnvError",
     "Environment",
+    "EpisodeCheckpoint",
     "EpisodeState",
     "EpisodeTimeout",
+    "EpisodeView",
     "ExecResult",
     "GenerationChunk",
     "GenerationRequest",
@@ -91,7 +95,10 @@ __all__ = [
     "decode_msgpack",
     "encode_json",
     "encode_msgpack",
+    "fixed_policy",
+    "load_checkpoints",
     "load_environment",
     "open_sandbox",
+    "staleness_policy",
     "tool",
 ]

@@ -12,8 +12,10 @@ EXPECTED = [
     "ConfigError",
     "EnvError",
     "Environment",
+    "EpisodeCheckpoint",
     "EpisodeState",
     "EpisodeTimeout",
+    "EpisodeView",
     "ExecResult",
     "GenerationChunk",
     "GenerationRequest",
@@ -45,8 +47,11 @@ EXPECTED = [
     "decode_msgpack",
     "encode_json",
     "encode_msgpack",
+    "fixed_policy",
+    "load_checkpoints",
     "load_environment",
     "open_sandbox",
+    "staleness_policy",
     "tool",
 ]
 
