@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+import numpy as np
 
 from agentroll.backends.base import SamplingParams
 from agentroll.trajectory_builder import TrajectoryBuilder
@@ -90,9 +91,14 @@ class EpisodeRun:
     def min_versions(self) -> tuple[int | None, int | None]:
         """Oldest policy and KV versions over the sampled tokens (None when none)."""
         b = self.builder
-        pol = [v for v in b.policy if v >= 0]
-        kv = [v for v in b.kv if v >= 0]
-        return (min(pol) if pol else None, min(kv) if kv else None)
+        if not len(b):
+            return None, None
+        sampled = np.frombuffer(b.mask, dtype=np.uint8) == 1
+        if not sampled.any():
+            return None, None
+        pol = np.frombuffer(b.policy, dtype=np.int32)[sampled]
+        kv = np.frombuffer(b.kv, dtype=np.int32)[sampled]
+        return int(pol.min()), int(kv.min())
 
 
 class EpisodeCheckpoint(msgspec.Struct, kw_only=True):

@@ -141,6 +141,32 @@ async def _move_calls(
     return [c for c, ok in zip(calls, moved, strict=True) if not ok]
 
 
+async def _rebalance(fleet: FleetBackend, names: list[str], report: SyncReport) -> None:
+    """Move half the difference from the busiest replica to the idlest, when it is worth a
+    pause: the last group of a rolling update rejoins empty, and without new calls arriving
+    it would stay idle until the calls elsewhere end."""
+    loads = {n: len(fleet.calls_on(n)) for n in names if fleet.status(n) == "active"}
+    if len(loads) < 2:
+        return
+    lo = min(loads, key=lambda n: (loads[n], n))
+    hi = max(loads, key=lambda n: (loads[n], n))
+    move = (loads[hi] - loads[lo]) // 2
+    if move < 2 or not fleet.replicas[hi].supports_snapshots:
+        return
+    t0 = time.perf_counter()
+    await fleet.pause_replica(hi)
+    try:
+        calls = fleet.calls_on(hi)[:move]
+        ids = [c.request.request_id for c in calls]
+        snaps = await fleet.replicas[hi].snapshot_many(ids, with_kv=fleet.migrate_with_kv)
+        others = set(fleet.replicas) - {lo}
+        for call in calls:
+            await fleet.migrate(call, others, snapshot=snaps.get(call.request.request_id))
+    finally:
+        await fleet.resume_replica(hi)
+        report.pause_ms.append((time.perf_counter() - t0) * 1e3)
+
+
 async def rolling(
     fleet: FleetBackend,
     update: Any,
@@ -148,6 +174,9 @@ async def rolling(
     report: SyncReport,
     policies: PolicySource | None,
 ) -> None:
+    # Least-loaded replicas first: they have the fewest calls to move, and once updated they
+    # take the calls of the next group.
+    names = sorted(names, key=lambda n: (len(fleet.calls_on(n)), n))
     groups = [names[i : i + fleet.group_size] for i in range(0, len(names), fleet.group_size)]
     # Pipelining: while group k applies, group k+1 (already out of routing) runs to its next
     # token boundary, so k+1's calls move to k the moment k rejoins and k never idles.
@@ -203,6 +232,8 @@ async def rolling(
             for n in group:
                 fleet._set_status(n, "updating")
             await _apply_group(fleet, update, group, report, policies, paused_at, staged)
+        if fleet.in_flight == "migrate" and len(groups) > 1:
+            await _rebalance(fleet, names, report)
     finally:
         for task in pausing.values():  # an error left a prefetched pause behind
             await asyncio.gather(task, return_exceptions=True)
