@@ -49,36 +49,13 @@ async def run_pause_bench(
     in_flight: str = "migrate",
     verbose: bool = True,
 ) -> dict[str, Any]:
+    args = (replicas, episodes, syncs, strategy, policy, model, max_tokens, seed, kind, in_flight)
     if kind == "ray":
         from agentroll.fleet.ray import local_cluster
 
         with local_cluster(num_cpus=max(4, replicas)):
-            return await _run(
-                replicas,
-                episodes,
-                syncs,
-                strategy,
-                policy,
-                model,
-                max_tokens,
-                seed,
-                kind,
-                in_flight,
-                verbose,
-            )
-    return await _run(
-        replicas,
-        episodes,
-        syncs,
-        strategy,
-        policy,
-        model,
-        max_tokens,
-        seed,
-        kind,
-        in_flight,
-        verbose,
-    )
+            return await _run(*args, verbose)
+    return await _run(*args, verbose)
 
 
 async def _run(

@@ -347,20 +347,7 @@ class FleetBackend(Backend):
         try:
             snapshot = self._delivered_snapshot(call)
             if snapshot is None:  # no snapshot support: regenerate the turn
-                if call.delivered:
-                    call.queue.put_nowait(
-                        GenerationChunk(
-                            token_ids=[],
-                            logprobs=[],
-                            policy_version=call.policy_version,
-                            kv_version=call.kv_version,
-                            rollback=call.delivered,
-                        )
-                    )
-                    self._count_discard(call, call.delivered)
-                    call.ids.clear()
-                    call.logprobs.clear()
-                    call.delivered = 0
+                self._roll_back(call)
             else:
                 self.stats.tokens_recomputed += call.prompt_len + call.delivered
             await self._launch(call, snapshot)
@@ -451,25 +438,30 @@ class FleetBackend(Backend):
                 await pump
         if call.request.request_id not in self._calls:
             return False
-        if call.delivered:
-            call.queue.put_nowait(
-                GenerationChunk(
-                    token_ids=[],
-                    logprobs=[],
-                    policy_version=call.policy_version,
-                    kv_version=call.kv_version,
-                    rollback=call.delivered,
-                )
-            )
-            self._count_discard(call, call.delivered)
-            call.ids.clear()
-            call.logprobs.clear()
-            call.delivered = 0
+        self._roll_back(call)
         self.router.finished(src.name)
         call.replica = None
         self.stats.migrated += 1
         await self._launch(call, None, exclude | {src.name})
         return True
+
+    def _roll_back(self, call: _Call) -> None:
+        """Tell the consumer to drop what the call delivered: it starts over."""
+        if not call.delivered:
+            return
+        call.queue.put_nowait(
+            GenerationChunk(
+                token_ids=[],
+                logprobs=[],
+                policy_version=call.policy_version,
+                kv_version=call.kv_version,
+                rollback=call.delivered,
+            )
+        )
+        self._count_discard(call, call.delivered)
+        call.ids.clear()
+        call.logprobs.clear()
+        call.delivered = 0
 
     def _count_discard(self, call: _Call, n: int) -> None:
         self.stats.tokens_discarded += n
