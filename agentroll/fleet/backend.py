@@ -411,6 +411,9 @@ class FleetBackend(Backend):
                 snap = await src.snapshot(call.request.request_id, with_kv=with_kv)
             except ReplicaDown:
                 raise
+            except KeyError:
+                # the replica no longer knows it: it finished (its last chunk is on the way)
+                return False
             except Exception:
                 if call.pump.done():
                     return False  # it finished meanwhile

@@ -129,6 +129,10 @@ async def _move_calls(
     for call in calls:
         rid = call.request.request_id
         policy = chosen.get(rid, "keep")
+        replica = call.replica
+        if policy != "restart" and rid not in snaps and replica and replica.supports_snapshots:
+            moved.append(False)  # finished there: its last chunk is on the way
+            continue
         moved.append(
             await fleet.migrate(
                 call,
