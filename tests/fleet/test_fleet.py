@@ -521,8 +521,9 @@ async def test_update_honours_each_requests_resume_policy(
             await traffic.wait(traffic.busy(calls=4, tokens=4))
             return await fleet.update(updates[0], policies=engine.pauses.policies)
 
-        # long turns: calls are still in flight when a rolling group's turn comes
-        config = calculator_config(max_tokens=2 * MAX_TOKENS)
+        # long turns: calls are still in flight when a rolling group's turn comes (rolling
+        # first stages the update on every replica, which takes a while with Ray actors)
+        config = calculator_config(max_tokens=4 * MAX_TOKENS, ignore_eos=True)
         trajs, report = await run_episodes(fleet, traffic, update, episodes=16, config=config)
         assert_quiet(fleet)
 
