@@ -11,8 +11,10 @@ the run's, so generations are always in flight), and prints one final line::
 ``pause_*``: how long each replica stood paused per sync (stop at a token boundary ->
 resumed); ``busy_fraction_during_sync``: replica-time spent in forward passes while a sync
 was in progress, over all syncs; ``lost``: episodes that did not come back ``ok`` or
-``truncated``.  A line before it gives the median decode step, the reference for the pause
-target (one decode step + 50 ms).
+``truncated``.  A line before it gives the mean engine step, the reference for the pause
+target (one decode step + 50 ms).  Replicas run with a prefill budget of
+``--prefill-budget`` tokens per step (512), which bounds every step, so a pause does not
+wait long for the step in flight even when ``recompute`` re-prefills every request.
 """
 
 from __future__ import annotations
@@ -47,9 +49,22 @@ async def run_pause_bench(
     seed: int = 0,
     kind: str = "local",
     in_flight: str = "migrate",
+    prefill_budget: int = 512,
     verbose: bool = True,
 ) -> dict[str, Any]:
-    args = (replicas, episodes, syncs, strategy, policy, model, max_tokens, seed, kind, in_flight)
+    args = (
+        replicas,
+        episodes,
+        syncs,
+        strategy,
+        policy,
+        model,
+        max_tokens,
+        seed,
+        kind,
+        in_flight,
+        prefill_budget,
+    )
     if kind == "ray":
         from agentroll.fleet.ray import local_cluster
 
@@ -69,6 +84,7 @@ async def _run(
     seed: int,
     kind: str,
     in_flight: str,
+    prefill_budget: int,
     verbose: bool,
 ) -> dict[str, Any]:
     from agentroll.backends.torch import TorchBackend
@@ -86,16 +102,17 @@ async def _run(
     rng = random.Random(seed)
     total_tokens = episodes * max_tokens  # every generation runs to max_tokens (ignore_eos)
     triggers = sorted(rng.uniform(0.05, 0.85) * total_tokens for _ in range(syncs))
+    # The prefill budget bounds every step, so a pause never waits long for the step in
+    # flight, even right after a sync when recompute re-prefills every request.
+    overrides: dict[str, Any] = {"max_num_seqs": 64, "max_num_batched_tokens": prefill_budget}
     reps: list[Any]
     if kind == "ray":
         from agentroll.fleet.ray import RayReplica
 
-        reps = [
-            RayReplica(model_dir, name=f"replica-{i}", max_num_seqs=64) for i in range(replicas)
-        ]
+        reps = [RayReplica(model_dir, name=f"replica-{i}", **overrides) for i in range(replicas)]
     else:
         reps = [
-            LocalReplica(TorchBackend(model_dir, max_num_seqs=64), name=f"replica-{i}")
+            LocalReplica(TorchBackend(model_dir, **overrides), name=f"replica-{i}")
             for i in range(replicas)
         ]
     fleet = FleetBackend(reps, strategy=strategy, in_flight=in_flight)  # type: ignore[arg-type]
@@ -159,7 +176,7 @@ async def _run(
         "busy_fraction_during_sync": busy_frac,
         "step_fraction_during_sync": step_frac,
         "lost": lost,
-        "decode_step_ms": step_ms,
+        "mean_step_ms": step_ms,
         "syncs": len(reports),
         "migrated": st.migrated,
         "wall_s": wall,
@@ -169,7 +186,7 @@ async def _run(
     if verbose:
         print(
             f"info: kind={kind} in_flight={in_flight} replicas={replicas} episodes={episodes} syncs={len(reports)} "
-            f"decode_step_ms={step_ms:.1f} pause_target_ms={step_ms + 50:.1f} "
+            f"mean_step_ms={step_ms:.1f} pause_target_ms={step_ms + 50:.1f} "
             f"step_fraction_during_sync={step_frac:.3f} "
             f"sync_p50_s={result['sync_p50_s']:.3f} migrated={st.migrated} failed_updates={result['failed_updates']} wall_s={wall:.1f}",
             flush=True,

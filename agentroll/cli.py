@@ -56,6 +56,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
     bp.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=512,
+        help="tokens per engine step (bounds how long a pause waits for the step in flight)",
+    )
+    bp.add_argument(
         "--in-flight",
         default="migrate",
         choices=["migrate", "finish"],
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=args.seed,
                     kind=args.kind,
                     in_flight=args.in_flight,
+                    prefill_budget=args.prefill_budget,
                 )
             )
             print(format_line(figures))

@@ -1,0 +1,47 @@
+"""``agentroll bench pause`` on a small run: it completes, loses nothing and prints the line
+the issue specifies."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from agentroll.bench_pause import format_line, run_pause_bench
+
+LINE = re.compile(
+    r"strategy=(\w+) policy=(\w+) episodes_restarted=\d+ tokens_discarded=\d+ "
+    r"tokens_recomputed=\d+ pause_p50_ms=[\d.]+ pause_p99_ms=[\d.]+ "
+    r"busy_fraction_during_sync=[\d.]+ lost=\d+"
+)
+
+
+async def test_small_rolling_run(tiny_model: Path) -> None:
+    r = await run_pause_bench(
+        replicas=2,
+        episodes=12,
+        syncs=2,
+        strategy="rolling",
+        policy="keep",
+        model=tiny_model,
+        max_tokens=24,
+        verbose=False,
+    )
+    assert r["syncs"] == 2 and r["lost"] == 0 and r["failed_updates"] == 0
+    assert r["tokens_discarded"] == 0 and r["episodes_restarted"] == 0
+    assert 0 < r["busy_fraction_during_sync"] <= 1
+    m = LINE.fullmatch(format_line(r))
+    assert m is not None and m.groups() == ("rolling", "keep")
+
+
+async def test_restart_reports_what_it_throws_away(tiny_model: Path) -> None:
+    r = await run_pause_bench(
+        replicas=2,
+        episodes=12,
+        syncs=2,
+        strategy="pause",
+        policy="restart",
+        model=tiny_model,
+        max_tokens=24,
+        verbose=False,
+    )
+    assert r["lost"] == 0 and r["tokens_discarded"] > 0 and r["episodes_restarted"] > 0
