@@ -23,7 +23,8 @@ async def test_small_rolling_run(tiny_model: Path) -> None:
         strategy="rolling",
         policy="keep",
         model=tiny_model,
-        max_tokens=24,
+        max_tokens=64,
+        seed=4,  # syncs at 13% and 24% of the run's tokens: generations are surely in flight
         verbose=False,
     )
     assert r["syncs"] == 2 and r["lost"] == 0 and r["failed_updates"] == 0
@@ -41,7 +42,8 @@ async def test_restart_reports_what_it_throws_away(tiny_model: Path) -> None:
         strategy="pause",
         policy="restart",
         model=tiny_model,
-        max_tokens=24,
+        max_tokens=64,
+        seed=4,  # syncs at 13% and 24% of the run's tokens: generations are surely in flight
         verbose=False,
     )
     assert r["lost"] == 0 and r["tokens_discarded"] > 0 and r["episodes_restarted"] > 0
