@@ -252,6 +252,13 @@ class FleetBackend(Backend):
             await self._changed.wait()
 
     async def _launch(self, call: _Call, snapshot: Any, exclude: set[str] | None = None) -> None:
+        exclude = set(exclude or ())
+        if snapshot is not None and call.policy_version >= 0:
+            # A moved call goes to a replica at least as new as the weights that sampled its
+            # last token (its versions never go back within a turn), when one may take it.
+            older = {s.name for s in self.router.slots.values() if s.version < call.policy_version}
+            if self.router.candidates(call.episode_id, exclude | older):
+                exclude |= older
         replica = await self._place(call, exclude)
         if call.request.request_id not in self._calls:
             # its consumer left while a move waited for a replica: start nothing for nobody
