@@ -16,8 +16,6 @@ state beyond the seed and the token count (it is counter-based).
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from array import array
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
+from agentroll._fs import atomic_dir
 from agentroll.backends.base import SamplingParams
 from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import Message, Status, Task, Turn
@@ -152,20 +151,14 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
     def save(self, path: str | Path) -> Path:
         """Write ``path/`` atomically: ``episode.msgpack``, ``sandbox.tar`` when the episode
         has a sandbox, ``request/`` when a generation is pending."""
-        out = Path(path)
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         meta = msgspec.structs.replace(self, sandbox=None, pending=None)
-        (tmp / "episode.msgpack").write_bytes(msgspec.msgpack.encode(meta))
-        if self.sandbox is not None:
-            (tmp / "sandbox.tar").write_bytes(self.sandbox)
-        if self.pending is not None:
-            self.pending.save(tmp / "request")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return out
+        with atomic_dir(path) as tmp:
+            (tmp / "episode.msgpack").write_bytes(msgspec.msgpack.encode(meta))
+            if self.sandbox is not None:
+                (tmp / "sandbox.tar").write_bytes(self.sandbox)
+            if self.pending is not None:
+                self.pending.save(tmp / "request")
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> EpisodeCheckpoint:

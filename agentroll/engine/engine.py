@@ -21,6 +21,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from agentroll._fs import atomic_dir
 from agentroll.backends.base import SamplingParams
 from agentroll.chat import ChatTokenizer
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
@@ -138,21 +139,14 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
         """Write ``path/meta.msgpack`` and ``path/kv.safetensors`` (atomically: temp + rename)."""
         from safetensors.torch import save_file
 
-        out = Path(path)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
         meta = msgspec.structs.replace(self, k=None, v=None)
-        (tmp / "meta.msgpack").write_bytes(msgspec.msgpack.encode(meta, enc_hook=_enc))
         tensors = {}
         if self.k is not None and self.v is not None:
             tensors = {"k": self.k.contiguous(), "v": self.v.contiguous()}
-        save_file(tensors, str(tmp / "kv.safetensors"))
-        if out.exists():
-            for f in out.iterdir():
-                f.unlink()
-            out.rmdir()
-        tmp.rename(out)
-        return out
+        with atomic_dir(path) as tmp:
+            (tmp / "meta.msgpack").write_bytes(msgspec.msgpack.encode(meta, enc_hook=_enc))
+            save_file(tensors, str(tmp / "kv.safetensors"))
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> RequestSnapshot:

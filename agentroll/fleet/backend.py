@@ -63,7 +63,6 @@ class FleetStats(msgspec.Struct, kw_only=True):
 
 class _Call:
     __slots__ = (
-        "delivered",
         "episode_id",
         "ids",
         "kv_version",
@@ -81,11 +80,14 @@ class _Call:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.replica: Replica | None = None
         self.pump: asyncio.Task[None] | None = None
-        self.delivered = 0  # tokens pumped to the consumer (net of rollbacks)
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # tokens pumped to the consumer (net of rollbacks)
         self.logprobs: list[float] = []
         self.policy_version = -1
         self.kv_version = -1
+
+    @property
+    def delivered(self) -> int:
+        return len(self.ids)
 
     @property
     def prompt_len(self) -> int:
@@ -286,11 +288,9 @@ class FleetBackend(Backend):
                 if chunk.rollback:
                     n = chunk.rollback
                     del call.ids[len(call.ids) - n :], call.logprobs[len(call.logprobs) - n :]
-                    call.delivered -= n
                     self._count_discard(call, n)
                 call.ids.extend(chunk.token_ids)
                 call.logprobs.extend(chunk.logprobs)
-                call.delivered += len(chunk.token_ids)
                 self.stats.tokens += len(chunk.token_ids)
                 call.policy_version, call.kv_version = chunk.policy_version, chunk.kv_version
                 call.queue.put_nowait(chunk)
@@ -471,7 +471,6 @@ class FleetBackend(Backend):
         self._count_discard(call, call.delivered)
         call.ids.clear()
         call.logprobs.clear()
-        call.delivered = 0
 
     def _count_discard(self, call: _Call, n: int) -> None:
         self.stats.tokens_discarded += n

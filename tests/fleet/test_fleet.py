@@ -29,7 +29,7 @@ from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.testing import SyntheticTrainer
 from agentroll.tokenizer import tiny_chat_tokenizer
 from agentroll.types import Message, Task, Trajectory
-from agentroll.validate import sample_prompts
+from agentroll.validate import collect_stream, sample_prompts
 
 KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 
@@ -156,18 +156,7 @@ async def collect(
     req: GenerationRequest,
     on_token: Callable[[int], Awaitable[None]] | None = None,
 ) -> Collected:
-    ids: list[int] = []
-    lps: list[float] = []
-    versions: list[tuple[int, int]] = []
-    async for chunk in fleet.generate(req):
-        if chunk.rollback:
-            del ids[-chunk.rollback :], lps[-chunk.rollback :], versions[-chunk.rollback :]
-        ids += chunk.token_ids
-        lps += chunk.logprobs
-        versions += [(chunk.policy_version, chunk.kv_version)] * len(chunk.token_ids)
-        if on_token is not None:
-            await on_token(len(ids))
-    return ids, lps, versions
+    return await collect_stream(fleet, req, on_token)
 
 
 def turn_spans(traj: Trajectory) -> Iterator[tuple[np.ndarray, np.ndarray]]:
