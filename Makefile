@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar off -e '.[dev]'
 	@touch $@
 
+# The main job: tiny model, warm-up, async RL with two engine replicas, report (runs/demo-*).
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/agentroll run examples/recipes/demo.toml
 
 # Services the suite needs (bubblewrap now; docker, vllm, ray as their issues land).
 services:

@@ -5,6 +5,7 @@ optional dependencies (torch kernels, vllm, docker, ray) are imported lazily by 
 that need them.
 """
 
+from agentroll.admission import AdmissionController
 from agentroll.backends import (
     Backend,
     GenerationChunk,
@@ -13,6 +14,7 @@ from agentroll.backends import (
     MockResponse,
     SamplingParams,
 )
+from agentroll.buffer import BufferConfig, TrajectoryBuffer
 from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
 from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
 from agentroll.env import Environment, EpisodeState, Rubric, load_environment
@@ -26,11 +28,14 @@ from agentroll.errors import (
     GenerationTimeout,
     MissingDependencyError,
     SandboxError,
+    StreamError,
     ToolCallParseError,
     ToolError,
     WeightSyncError,
 )
+from agentroll.metrics import MetricsWriter
 from agentroll.pause import EpisodeView, fixed_policy, staleness_policy
+from agentroll.recipe import Recipe, load_recipe
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
 from agentroll.tool import Tool, tool
@@ -52,9 +57,11 @@ from agentroll.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionController",
     "AgentrollError",
     "Backend",
     "BackendError",
+    "BufferConfig",
     "ChatTemplateError",
     "ChatTokenizer",
     "ConfigError",
@@ -70,10 +77,12 @@ __all__ = [
     "GenerationTimeout",
     "HermesToolParser",
     "Message",
+    "MetricsWriter",
     "MissingDependencyError",
     "MockBackend",
     "MockResponse",
     "ParsedOutput",
+    "Recipe",
     "RolloutConfig",
     "RolloutEngine",
     "Rubric",
@@ -81,6 +90,7 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
+    "StreamError",
     "Task",
     "Tool",
     "ToolCall",
@@ -89,6 +99,7 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "Trajectory",
+    "TrajectoryBuffer",
     "Turn",
     "WeightSyncError",
     "decode_json",
@@ -98,6 +109,7 @@ __all__ = [
     "fixed_policy",
     "load_checkpoints",
     "load_environment",
+    "load_recipe",
     "open_sandbox",
     "staleness_policy",
     "tool",

@@ -1,9 +1,10 @@
-"""Command line: ``agentroll bench | validate | worker | envs | model``.  Each subcommand maps to one function here;
+"""Command line: ``agentroll run | worker | report | bench | validate | envs | model``.  Each subcommand maps to one function here;
 errors from agentroll print one line that says what to do, and exit with status 2."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -75,6 +76,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="replicas in this process, or Ray actors on a local loopback-only cluster",
     )
 
+    bst = bsub.add_parser("stream", help="trajectory streaming MB/s end to end vs loopback/disk")
+    bst.add_argument("--trajectories", type=int, default=20_000)
+    bst.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
+
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
@@ -82,17 +87,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser(
         "worker",
-        help="run an environment's tasks; SIGTERM checkpoints in-flight episodes and a "
-        "restart continues them (a recipe-based worker comes in a later issue)",
+        help="rollout worker: with --recipe it serves the trajectory stream until stopped; "
+        "with --env it runs the tasks into --out.  SIGTERM checkpoints in-flight episodes "
+        "and a restart continues them",
     )
-    wk.add_argument("--env", required=True, help="environment name or module:Class")
+    wk.add_argument("--recipe", default=None, help="recipe TOML: serve its rollouts over HTTP")
+    wk.add_argument("--port", type=int, default=None, help="stream port (default: the recipe's)")
+    wk.add_argument("--run-dir", default=None, help="metrics, spool and checkpoints (--recipe)")
+    wk.add_argument("--ready-file", default=None, help="write {url, pid} here once serving")
+    wk.add_argument("--env", default=None, help="environment name or module:Class")
     wk.add_argument("--backend", choices=["torch", "mock"], default="torch")
     wk.add_argument("--model", default=None, help="torch checkpoint dir (default: the tiny model)")
     wk.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
     wk.add_argument("--tasks", type=int, default=None, help="the first N tasks (default: all)")
     wk.add_argument("--seed", type=int, default=0, help="rollout seed")
-    wk.add_argument("--out", required=True, help="trajectories file: .jsonl or .msgpack")
-    wk.add_argument("--checkpoint-dir", required=True, help="where in-flight episodes go")
+    wk.add_argument("--out", default=None, help="trajectories file: .jsonl or .msgpack")
+    wk.add_argument("--checkpoint-dir", default=None, help="where in-flight episodes go")
     wk.add_argument(
         "--no-kv", action="store_true", help="checkpoint without KV (the restart recomputes it)"
     )
@@ -104,6 +114,15 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--mock-latency", type=float, default=0.0, help="seconds per mock reply")
 
     sub.add_parser("envs", help="list the built-in environments")
+
+    run = sub.add_parser("run", help="run a recipe end to end (rollout worker + trainer)")
+    run.add_argument("recipe", metavar="RECIPE", help="recipe TOML file")
+    run.add_argument("--run-dir", default=None, help="run directory (default: under run.out_dir)")
+
+    rep = sub.add_parser("report", help="table, plots and tuning advice of a run's metric trace")
+    rep.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run directory holding *.jsonl metric files"
+    )
 
     model = sub.add_parser("model", help="model checkpoints")
     msub = model.add_subparsers(dest="model_command", required=True)
@@ -189,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.params < 1 or not 0 <= args.changed <= 1:
                 raise SystemExit("--params must be >= 1 and --changed within [0, 1]")
             main_sync(args.params, args.changed, args.dtype)
+        elif args.command == "bench" and args.bench == "stream":
+            from agentroll.bench_stream import main_stream
+
+            if args.trajectories < 1 or args.tokens < 9:
+                raise SystemExit("--trajectories must be >= 1 and --tokens >= 9")
+            main_stream(args.trajectories, args.tokens)
         elif args.command == "model" and args.model_command == "create-tiny":
             from agentroll.model.tiny import create_tiny
 
@@ -202,8 +227,33 @@ def main(argv: list[str] | None = None) -> int:
                 heads=args.hidden // 64,
             )
             print(f"wrote {out}")
+        elif args.command == "run":
+            from agentroll.loop import run_recipe
+
+            return run_recipe(args.recipe, run_dir=args.run_dir)
+        elif args.command == "report":
+            from agentroll.report import main_report
+
+            return main_report(args.run_dir)
+        elif args.command == "worker" and args.recipe is not None:
+            from agentroll.service import main_service
+
+            served = main_service(
+                args.recipe,
+                model=args.model,
+                run_dir=args.run_dir,
+                checkpoint_dir=args.checkpoint_dir,
+                port=args.port,
+                ready_file=args.ready_file,
+            )
+            print(json.dumps(served), flush=True)
         elif args.command == "worker":
             from agentroll.worker import main_worker
+
+            if args.env is None or args.out is None or args.checkpoint_dir is None:
+                raise SystemExit(
+                    "agentroll worker needs --recipe, or --env, --out and --checkpoint-dir"
+                )
 
             summary = main_worker(
                 env=args.env,

@@ -11,6 +11,7 @@
     ├── BackendError                    the generation backend failed
     │   └── GenerationTimeout           one generation exceeded its stage timeout
     ├── EpisodeTimeout                  a whole episode exceeded its timeout
+    ├── StreamError                     the trajectory stream failed (worker unreachable, refused)
     └── WeightSyncError                 a weight update was refused or failed (nothing changed)
 
 Foreign errors (OSError, httpx, docker, torch.distributed) are translated where they are
@@ -86,3 +87,7 @@ def require(module: str, extra: str) -> Any:
 class WeightSyncError(AgentrollError):
     """A weight update was refused (wrong base, bad checksum, unknown tensor, broken
     transport); the replica keeps its previous weights and version, bit for bit."""
+
+
+class StreamError(AgentrollError):
+    """The trajectory stream failed: worker unreachable, request refused, bad reply."""

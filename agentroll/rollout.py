@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -271,11 +271,14 @@ class RolloutEngine:
         *,
         total: int | None = None,
         checkpoints: Iterable[EpisodeCheckpoint] = (),
+        admit: Callable[[int], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Trajectory]:
         """Run every task ``samples_per_task`` times; yield trajectories as they finish
         (a whole group at once when the environment has group rewards).  ``checkpoints``
         (from ``checkpoint``, maybe in another process) are continued first; pass
-        ``tasks=[]`` to run only them.
+        ``tasks=[]`` to run only them.  ``admit(n)`` (admission control, e.g. a staleness
+        bound) is awaited before a new group of ``n`` samples starts; groups are admitted one
+        at a time, in order, and a checkpointed episode needs no admission.
 
         Leaving the loop early cancels the episodes still running.
         """
@@ -291,9 +294,19 @@ class RolloutEngine:
             maxsize=2 * self.config.concurrency
         )
 
+        gate = asyncio.Lock()
+
+        async def next_job() -> tuple[Task, int, str, EpisodeCheckpoint | None] | None:
+            async with gate:  # one group is admitted at a time, and whole
+                job = next(jobs, None)
+                if job is not None and admit is not None and job[3] is None and job[1] == 0:
+                    await admit(self.config.samples_per_task)
+                return job
+
         async def worker() -> None:
             try:
-                for task, index, group, cp in jobs:
+                while (job := await next_job()) is not None:
+                    task, index, group, cp = job
                     outcome = await self.run_episode(
                         task, sample_index=index, group_id=group, checkpoint=cp
                     )

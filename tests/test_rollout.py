@@ -416,3 +416,42 @@ async def test_chunk_versions_are_recorded_per_token(tok: ChatTokenizer) -> None
     assert t.kv_version[gen].tolist() == [2, 2, 2, 2]
     assert t.logprobs[gen].tolist() == [-1.0, -2.0, -3.0, -4.0]
     assert t.min_policy_version() == 3
+
+
+async def test_admission_is_awaited_once_per_group_before_its_samples_start(
+    tok: ChatTokenizer,
+) -> None:
+    """``run(admit=...)`` gates whole groups, in task order, and nothing starts unadmitted."""
+    started: list[str] = []
+    admitted: list[int] = []
+    gate = asyncio.Event()
+
+    def script(request: GenerationRequest) -> str:
+        started.append(request.episode_id)
+        return "42"
+
+    async def admit(n: int) -> None:
+        admitted.append(n)
+        if len(admitted) == 3:
+            await gate.wait()  # the third group waits until the test lets it in
+
+    cfg = RolloutConfig(concurrency=8, samples_per_task=2, progress="off")
+    out: list[Trajectory] = []
+    async with RolloutEngine(MockBackend(script, tokenizer=tok), Calc(), cfg, tokenizer=tok) as e:
+        four = asyncio.Event()
+
+        async def consume() -> None:
+            async for t in e.run(tasks(4), admit=admit):
+                out.append(t)
+                if len(out) == 4:
+                    four.set()
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.wait_for(four.wait(), 10)
+        await asyncio.sleep(0.05)  # time for a wrongly admitted group to start
+        assert len(out) == 4 and len(started) == 4 and admitted == [2, 2, 2]
+        assert {t.task_id for t in out} == {"t0", "t1"}
+        gate.set()
+        await consumer
+    assert len(out) == 8 and admitted == [2, 2, 2, 2]
+    assert sorted(t.task_id for t in out[4:]) == ["t2", "t2", "t3", "t3"]

@@ -1,0 +1,456 @@
+"""The recipe-driven rollout worker: episodes on a fleet, groups to a served trajectory stream.
+
+Role: ``RolloutService`` builds the recipe's environment and replicas, runs episodes forever
+(tasks cycled in seeded epochs) under admission control, publishes every finished group to a
+``TrajectoryStream`` (spool first, then the buffer) served over HTTP, and applies the weights
+a trainer pushes with the recipe's sync strategy and resume policy, while episodes go on.
+Invariants: a group is published only whole; nothing finished is dropped at a stop (in-flight
+episodes are checkpointed, finished members of unfinished groups are saved beside them and
+both are continued by the next start); every sync, counter and busy/idle interval is written
+to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentroll.admission import AdmissionController
+from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
+from agentroll.buffer import BufferConfig
+from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.env import Environment, load_environment
+from agentroll.errors import ConfigError
+from agentroll.metrics import MetricsWriter
+from agentroll.recipe import Recipe
+from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.sandbox.base import SandboxConfig
+from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
+from agentroll.types import Task, Trajectory
+from agentroll.weights.update import WeightUpdate
+from agentroll.worker import TrajectoryWriter, read_trajectories
+
+logger = logging.getLogger("agentroll.service")
+FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
+
+
+def build_environment(recipe: Recipe) -> Environment:
+    """The recipe's environment, with its sandbox settings applied."""
+    kwargs = dict(recipe.environment.kwargs)
+    env = load_environment(recipe.environment.name, **kwargs)
+    sb = recipe.sandbox
+    if env.sandbox_config is not None:
+        overrides: dict[str, Any] = {"backend": sb.backend}
+        if sb.timeout is not None:
+            overrides["timeout"] = sb.timeout
+        if sb.image is not None:
+            overrides["image"] = sb.image
+        config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **overrides)
+    elif sb.backend != "local" or sb.image is not None:
+        config = SandboxConfig(backend=sb.backend, image=sb.image)
+    else:
+        return env
+    # a per-instance override of the class-level default
+    object.__setattr__(env, "sandbox_config", config)
+    return env
+
+
+def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
+    """A ``FleetBackend`` of ``backend.replicas`` built-in engines on ``model_dir``."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
+
+    b = recipe.backend
+    if b.kind != "torch":
+        raise ConfigError(f"backend.kind {b.kind!r} cannot serve a recipe worker; use 'torch'")
+    replicas = [
+        LocalReplica(
+            TorchBackend(
+                str(model_dir),
+                dtype=b.dtype,
+                kv_cache_mb=b.kv_cache_mb,
+                max_num_seqs=b.max_num_seqs,
+                max_num_batched_tokens=b.prefill_budget,
+            ),
+            name=f"replica-{i}",
+        )
+        for i in range(b.replicas)
+    ]
+    return FleetBackend(replicas, strategy=recipe.sync.strategy, capacity=b.max_num_seqs)
+
+
+def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
+    s, r = recipe.sampling, recipe.rollout
+    return RolloutConfig(
+        concurrency=r.concurrency,
+        samples_per_task=r.samples_per_task,
+        sampling=SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens
+        ),
+        seed=recipe.run.seed if seed is None else seed,
+        tool_timeout=r.tool_timeout,
+        episode_timeout=r.episode_timeout,
+        progress="off",
+    )
+
+
+def cycle_tasks(tasks: list[Task], seed: int) -> Iterator[Task]:
+    """The tasks again and again, each epoch in its own seeded order."""
+    if not tasks:
+        raise ConfigError("the environment has no tasks")
+    epoch = 0
+    while True:
+        order = list(tasks)
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        yield from order
+        epoch += 1
+
+
+class _NotingStream(TrajectoryStream):
+    """A stream that tells the service each trainer version it hears of, when it hears it."""
+
+    def __init__(self, *args: Any, service: RolloutService, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service = service
+
+    async def lease(
+        self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
+    ) -> Any:
+        if trainer_version is not None:
+            self.service.note_trainer_version(trainer_version)
+        return await super().lease(max_trajectories, wait=wait, trainer_version=trainer_version)
+
+    async def apply_weights(self, update: WeightUpdate) -> None:
+        await super().apply_weights(update)
+        self.service.note_trainer_version(update.version)
+
+
+class RolloutService:
+    """``await RolloutService(recipe, model_dir=..., run_dir=...).serve(stop)`` runs until
+    ``stop`` is set; ``ready(url)`` is called once the stream is served.
+
+    ``checkpoint_dir``: where a stop checkpoints in-flight episodes (default
+    ``<run_dir>/checkpoints``) and where a start looks for them.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        model_dir: str | Path,
+        run_dir: str | Path,
+        checkpoint_dir: str | Path | None = None,
+        port: int | None = None,
+        component: str = "worker",
+        token: str | None = None,
+    ) -> None:
+        self.recipe = recipe
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = (
+            Path(checkpoint_dir) if checkpoint_dir else self.run_dir / "checkpoints"
+        )
+        self.port = recipe.stream.port if port is None else port
+        self.token = token if token is not None else os.environ.get(recipe.stream.token_env)
+        self.metrics = MetricsWriter(self.run_dir, component)
+        self.spool_dir = Path(recipe.stream.spool_dir or self.run_dir / "spool")
+        spt = recipe.rollout.samples_per_task
+        self.admission = AdmissionController(
+            max_staleness=recipe.buffer.max_staleness,
+            batch_size=recipe.trainer.batch_size,
+            group_size=spt,
+        )
+        self.stream_config = StreamConfig(
+            buffer=BufferConfig(
+                capacity=recipe.buffer.capacity,
+                max_staleness=recipe.buffer.max_staleness,
+                on_stale=recipe.buffer.on_stale,
+                group_size=spt,
+                lease_ttl=recipe.buffer.lease_ttl,
+            )
+        )
+        self.backend: Any = None
+        self.stream: TrajectoryStream | None = None
+        self._groups: dict[str, list[Trajectory]] = {}
+        self._admitted = 0
+        self._known_version = 0
+        self._consumed_at_known = 0
+        self._restored = 0
+        self._published = 0
+        self.counters = {
+            "episodes": 0,
+            "episodes_failed": 0,
+            "syncs": 0,
+            "syncs_mid_generation": 0,
+            "admission_wait_seconds": 0.0,
+        }
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _consumed(self) -> int:
+        assert self.stream is not None
+        return int(self.stream.counters["acked"] + self.stream.counters["dropped_stale"])
+
+    def note_trainer_version(self, version: int) -> None:
+        """The trainer said it is at ``version`` (a lease or a weight push)."""
+        if version > self._known_version:
+            self._known_version = version
+            self._consumed_at_known = self._consumed()
+
+    def _trainer_version(self) -> int:
+        """The trainer's version as admission must assume it: the last one it told, plus one
+        per batch it consumed since (it may have stepped before it says so, e.g. between its
+        ack and its next weight push)."""
+        batches = (self._consumed() - self._consumed_at_known) // self.recipe.trainer.batch_size
+        return self._known_version + max(0, batches)
+
+    def _rollout_version(self) -> int:
+        """The oldest weights a new episode may sample its first token with (during a rolling
+        update some replicas are still at the previous version)."""
+        fleet = self.backend
+        versions = fleet.router.versions(("active", "draining", "updating"))
+        return min(versions) if versions else int(fleet.policy_version)
+
+    def outstanding(self) -> int:
+        """Trajectories started (or restored) and not yet consumed by the trainer."""
+        assert self.stream is not None
+        c = self.stream.counters
+        return self._admitted + self._restored - c["acked"] - c["dropped_stale"]
+
+    async def _admit(self, n: int) -> None:
+        waited = await self.admission.wait(
+            policy_version=self._rollout_version,
+            trainer_version=self._trainer_version,
+            outstanding=self.outstanding,
+        )
+        self._admitted += n
+        self.counters["admission_wait_seconds"] += waited
+
+    # -- weights -----------------------------------------------------------------------------
+
+    async def _on_weights(self, update: WeightUpdate) -> None:
+        fleet = self.backend
+        inflight = await fleet.inflight_calls()
+        before = msgspec.structs.replace(fleet.stats)
+        policy: ResumePolicy = self.recipe.sync.policy
+        t0 = time.time()
+        report = await fleet.update(
+            update, policies=None if policy == "keep" else lambda: dict.fromkeys(inflight, policy)
+        )
+        t1 = time.time()
+        after = fleet.stats
+        self.counters["syncs"] += 1
+        self.counters["syncs_mid_generation"] += bool(inflight)
+        self.metrics.span_at("sync", t0, t1, version=update.version)
+        # The fleet reports how long each replica was paused, not when: the pauses are drawn
+        # at the end of the sync window they belong to.
+        for ms in report.pause_ms:
+            self.metrics.span_at("pause", max(t0, t1 - ms / 1000), t1, version=update.version)
+        self.metrics.event(
+            "sync",
+            version=update.version,
+            strategy=report.strategy,
+            seconds=report.seconds,
+            pause_ms=list(report.pause_ms),
+            mid_generation=len(inflight),
+            episodes_restarted=after.episodes_restarted - before.episodes_restarted,
+            tokens_discarded=after.tokens_discarded - before.tokens_discarded,
+            migrated=report.migrated,
+            bytes=update.payload_bytes,
+            failed=dict(report.failed),
+        )
+        self.admission.observe_trainer_version(update.version)
+        self._write_counters()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _write_counters(self) -> None:
+        fleet_stats = self.backend.stats if self.backend is not None else None
+        for name, value in self.counters.items():
+            self.metrics.counter(name, value)
+        if fleet_stats is not None:
+            self.metrics.counter("episodes_restarted", fleet_stats.episodes_restarted)
+            self.metrics.counter("tokens_discarded", fleet_stats.tokens_discarded)
+        if self.stream is not None:
+            c = self.stream.counters
+            for name in ("published", "acked", "dropped_stale", "delivered"):
+                self.metrics.counter(name, c[name])
+            stats = self.stream.buffer.statistics()
+            self.metrics.counter("kept_stale", stats.kept_stale)
+
+    async def _sample_busy(self, interval: float = 0.5) -> None:
+        """Every ``interval``: each replica's generating share of the window, as a busy span
+        followed by an idle span (the split within one window is not known)."""
+        fleet = self.backend
+        names = list(fleet.replicas)
+        last = await fleet._busy(names)
+        t_last = time.time()
+        while True:
+            await asyncio.sleep(interval)
+            now_busy = await fleet._busy(names)
+            now = time.time()
+            for name in names:
+                busy = min(now - t_last, max(0.0, now_busy.get(name, 0.0) - last.get(name, 0.0)))
+                self.metrics.span_at("rollout.busy", t_last, t_last + busy, component=name)
+                self.metrics.span_at("rollout.idle", t_last + busy, now, component=name)
+            last, t_last = now_busy, now
+
+    async def _publish(self, traj: Trajectory) -> None:
+        assert self.stream is not None
+        self.counters["episodes"] += 1
+        self.counters["episodes_failed"] += traj.status == "failed"
+        if traj.finished_at > traj.started_at:
+            self.admission.observe_episode(traj.finished_at - traj.started_at)
+        group = self._groups.setdefault(traj.group_id, [])
+        group.append(traj)
+        if len(group) < self.recipe.rollout.samples_per_task:
+            return
+        del self._groups[traj.group_id]
+        group.sort(key=lambda t: t.sample_index)
+        await self.stream.publish(group)
+        self._published += len(group)
+        for t in group:  # a continued episode's checkpoint is done with once it is durable
+            shutil.rmtree(self.checkpoint_dir / t.id, ignore_errors=True)
+
+    def _load_stopped(self) -> list[EpisodeCheckpoint]:
+        """Checkpoints and finished members of unfinished groups left by the last stop."""
+        checkpoints = load_checkpoints(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else []
+        finished = self.checkpoint_dir / FINISHED
+        if finished.is_file():
+            for t in read_trajectories(finished):
+                self._groups.setdefault(t.group_id, []).append(t)
+            finished.unlink()
+        self._restored = len(checkpoints) + sum(len(g) for g in self._groups.values())
+        return checkpoints
+
+    async def _checkpoint(self, engine: RolloutEngine) -> int:
+        await engine.pause()
+        paths = await engine.checkpoint(self.checkpoint_dir)
+        pending = [t for g in self._groups.values() for t in g]
+        if pending:
+            writer = TrajectoryWriter(self.checkpoint_dir / FINISHED)
+            writer.open()
+            try:
+                for t in pending:
+                    writer.write(t)
+            finally:
+                writer.close()
+        return len(paths)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def serve(
+        self, stop: asyncio.Event, *, ready: Any = None, tasks: list[Task] | None = None
+    ) -> dict[str, Any]:
+        """Run until ``stop`` is set; then checkpoint what is in flight and return a summary."""
+        recipe = self.recipe
+        env = build_environment(recipe)
+        if tasks is None:
+            tasks = list(env.tasks())
+            if recipe.environment.num_tasks is not None:
+                tasks = tasks[: recipe.environment.num_tasks]
+        self.backend = build_backend(recipe, self.model_dir)
+        checkpoints = await asyncio.to_thread(self._load_stopped)
+        self.metrics.event("run", event="start", component=self.metrics.component)
+        await self.backend.start()
+        checkpointed = 0
+        try:
+            self.stream = _NotingStream(
+                self.spool_dir, self.stream_config, on_weights=self._on_weights, service=self
+            )
+            async with (
+                self.stream,
+                serve_stream(
+                    self.stream, host=recipe.stream.host, port=self.port, token=self.token
+                ) as url,
+                RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
+            ):
+                self._restored += self.stream.counters["restored"]
+                if ready is not None:
+                    ready(url)
+                sampler = asyncio.create_task(self._sample_busy())
+
+                async def produce() -> None:
+                    async for traj in engine.run(
+                        cycle_tasks(tasks, recipe.run.seed),
+                        checkpoints=checkpoints,
+                        admit=self._admit,
+                    ):
+                        await self._publish(traj)
+
+                producer = asyncio.create_task(produce())
+                stopper = asyncio.create_task(stop.wait())
+                try:
+                    await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    if producer.done():
+                        producer.result()  # an engine error surfaces here
+                    checkpointed = await self._checkpoint(engine)
+                finally:
+                    for task in (producer, stopper, sampler):
+                        task.cancel()
+                    await asyncio.gather(producer, stopper, sampler, return_exceptions=True)
+                    self._write_counters()
+        finally:
+            await self.backend.close()
+            self.metrics.event("run", event="end", component=self.metrics.component)
+            self.metrics.close()
+        return {"published": self._published, "checkpointed": checkpointed, **self.counters}
+
+
+def write_ready_file(path: Path, url: str) -> None:
+    """Tell a parent process where the stream is served (written atomically)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def main_service(
+    recipe_path: str | Path,
+    *,
+    model: str | None = None,
+    run_dir: str | Path | None = None,
+    checkpoint_dir: str | Path | None = None,
+    port: int | None = None,
+    ready_file: str | Path | None = None,
+) -> dict[str, Any]:
+    """``agentroll worker --recipe R.toml``: serve until SIGTERM / SIGINT, then checkpoint
+    the episodes in flight and exit.  ``model`` defaults to the recipe's (or the tiny one)."""
+    import signal
+
+    from agentroll.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
+    if model is None:
+        from agentroll.validate import ensure_tiny_model
+
+        model = recipe.model.path or str(ensure_tiny_model(None))
+
+    async def main() -> dict[str, Any]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def ready(url: str) -> None:
+            logger.info("serving trajectories at %s", url)
+            if ready_file is not None:
+                write_ready_file(Path(ready_file), url)
+
+        service = RolloutService(
+            recipe, model_dir=model, run_dir=out, checkpoint_dir=checkpoint_dir, port=port
+        )
+        return await service.serve(stop, ready=ready)
+
+    return asyncio.run(main())

@@ -1,0 +1,665 @@
+"""Worker side of the trajectory stream: spool + buffer (``TrajectoryStream``) and its HTTP API.
+
+Invariants: a group is appended and fsync'd to the spool before the buffer can offer it
+(publishers share fsyncs: group commit; acks commit in their own lane, so the two fsyncs
+overlap); an ack is durable in the spool before the reply says so; trajectories the buffer
+drops as stale are acknowledged in the spool (never offered again); at start-up every
+unacknowledged spool record is restored into the buffer.  The API answers every bad request
+with a 4xx and a message and keeps serving; binding a non-loopback host needs a token, and
+with a token every route requires ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agentroll.buffer import BufferConfig, Lease, TrajectoryBuffer
+from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.stream.client import (
+    JSON,
+    MSGPACK,
+    AckReply,
+    AckRequest,
+    LeaseBatch,
+    LeaseRequest,
+)
+from agentroll.stream.spool import Spool, SpoolConfig
+from agentroll.types import Trajectory, decode_json, decode_msgpack, encode_json, encode_msgpack
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
+
+logger = logging.getLogger("agentroll.stream.server")
+OnWeights = Callable[["WeightUpdate"], Awaitable[None]]
+
+
+class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Static settings of a ``TrajectoryStream`` and its HTTP API.
+
+    ``max_body_bytes``: limit of lease/ack request bodies (413 beyond);
+    ``max_weights_bytes``: limit of a weight upload; ``max_lease``: most trajectories per
+    lease; ``max_wait``: longest long-poll a lease may ask for (seconds)."""
+
+    buffer: BufferConfig = BufferConfig()
+    spool: SpoolConfig = SpoolConfig()
+    max_body_bytes: int = 1 << 20
+    max_weights_bytes: int = 64 << 30
+    max_lease: int = 4096
+    max_wait: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"StreamConfig.max_body_bytes={self.max_body_bytes}; use >= 1024")
+        if self.max_weights_bytes < 1024:
+            raise ConfigError(
+                f"StreamConfig.max_weights_bytes={self.max_weights_bytes}; use >= 1024"
+            )
+        if self.max_lease < 1:
+            raise ConfigError(f"StreamConfig.max_lease={self.max_lease}; use >= 1")
+        if not (0 <= self.max_wait < math.inf):
+            raise ConfigError(f"StreamConfig.max_wait={self.max_wait}; use a finite value >= 0")
+
+
+@dataclass(eq=False)
+class _Job:
+    """One unit of group commit: records to append or ids to acknowledge."""
+
+    records: list[tuple[str, bytes]] = field(default_factory=list)
+    ack_ids: list[str] = field(default_factory=list)
+    future: asyncio.Future[int] | None = None
+    result: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Lane:
+    """A queue of group-commit jobs and the task committing them."""
+
+    name: str
+    jobs: list[_Job] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class TrajectoryStream:
+    """A spool directory and a ``TrajectoryBuffer`` behind one producer/consumer API.
+
+    ``on_weights`` applies a ``WeightUpdate`` to the worker's backend (raise
+    ``WeightSyncError`` to refuse it).  ``clock`` is the buffer's clock (lease ttl).
+    At start-up, unacknowledged records are restored grouped by ``group_id`` in spool order;
+    a group only partly in the spool (the rest was acknowledged) is restored as what it has.
+    Use as ``async with TrajectoryStream(dir) as stream``; the exit drains pending commits
+    and closes the spool."""
+
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        config: StreamConfig | None = None,
+        *,
+        on_weights: OnWeights | None = None,
+        policy_version: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spool_dir = Path(spool_dir)
+        self.config = config or StreamConfig()
+        self.on_weights = on_weights
+        self.policy_version = policy_version
+        self._clock = clock
+        self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
+        self._spool: Spool | None = None
+        self._encoded: dict[str, bytes] = {}  # msgpack of every held trajectory
+        self._lanes = {name: _Lane(name) for name in ("records", "acks")}
+        self._drop_ids: list[str] = []
+        self._closing = False
+        self._started = time.monotonic()
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "published",
+                "restored",
+                "delivered",
+                "acked",
+                "dropped_stale",
+                "group_commits",
+                "weight_updates",
+                "undecodable",
+            ),
+            0,
+        )
+
+    @property
+    def spool(self) -> Spool:
+        if self._spool is None:
+            raise RuntimeError("TrajectoryStream is not open; use `async with` first")
+        return self._spool
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        from agentroll.weights.transport import run_blocking
+
+        self._spool, groups = await run_blocking(self._open)
+        for lane in self._lanes.values():
+            lane.task = asyncio.create_task(
+                self._commit_loop(lane), name=f"agentroll-spool-{lane.name}"
+            )
+        for group in groups:
+            self._encoded.update((rid, data) for rid, data in group[1])
+        restored = self.buffer.restore([g[0] for g in groups])
+        self.counters["restored"] = restored
+        if restored:
+            logger.info("restored %d unacknowledged trajectories from %s", restored, self.spool_dir)
+        return self
+
+    def _open(self) -> tuple[Spool, list[tuple[list[Trajectory], list[tuple[str, bytes]]]]]:
+        spool = Spool(self.spool_dir, self.config.spool)
+        by_group: dict[str, tuple[list[Trajectory], list[tuple[str, bytes]]]] = {}
+        chunks: list[tuple[list[Trajectory], list[tuple[str, bytes]]]] = []
+        size = self.config.buffer.group_size
+        for rec in spool.pending():
+            try:
+                traj = decode_msgpack(rec.data, Trajectory)
+            except (msgspec.MsgspecError, ValueError) as exc:
+                # intact but unreadable (written by another version): left in the spool
+                logger.error("spool record %s cannot be decoded (%s); skipped", rec.id, exc)
+                self.counters["undecodable"] += 1
+                continue
+            entry = by_group.get(traj.group_id)
+            if entry is None or len(entry[0]) >= size:  # a reused group id: next chunk
+                entry = by_group[traj.group_id] = ([], [])
+                chunks.append(entry)
+            entry[0].append(traj)
+            entry[1].append((rec.id, rec.data))
+        return spool, chunks
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        from agentroll.weights.transport import run_blocking
+
+        self._closing = True
+        for lane in self._lanes.values():
+            lane.wake.set()
+        tasks = {lane.task for lane in self._lanes.values() if lane.task is not None}
+        try:
+            if tasks:
+                await asyncio.shield(asyncio.gather(*tasks))
+        finally:
+            pending = {task for task in tasks if not task.done()}
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+            if self._spool is not None:
+                await run_blocking(self._spool.close)
+
+    # -- group commit ----------------------------------------------------------------------
+
+    async def _submit(self, job: _Job) -> int:
+        lane = self._lanes["records" if job.records else "acks"]
+        if self._closing or lane.task is None:
+            raise RuntimeError("TrajectoryStream is closed or not open; use `async with`")
+        job.future = asyncio.get_running_loop().create_future()
+        lane.jobs.append(job)
+        lane.wake.set()
+        return await job.future
+
+    async def _commit_loop(self, lane: _Lane) -> None:
+        """Commit the lane's queued jobs together (one fsync per round), round after round;
+        records and acks are separate lanes, so their fsyncs (different files) overlap."""
+        from agentroll.weights.transport import run_blocking
+
+        acks = lane.name == "acks"
+        while True:
+            await lane.wake.wait()
+            lane.wake.clear()
+            while lane.jobs or (acks and self._drop_ids):
+                jobs, lane.jobs = lane.jobs, []
+                drops: list[str] = []
+                if acks:
+                    drops, self._drop_ids = self._drop_ids, []
+                try:
+                    if acks:
+                        await run_blocking(self._commit_acks, jobs, drops)
+                    else:
+                        await run_blocking(self._commit_records, jobs)
+                except Exception as exc:  # disk error: every waiting caller learns it
+                    logger.exception("spool commit failed")
+                    for job in jobs:
+                        job.error = job.error or exc
+                self.counters["group_commits"] += 1
+                for job in jobs:
+                    assert job.future is not None
+                    if job.future.done():
+                        continue
+                    if job.error is not None:
+                        job.future.set_exception(job.error)
+                    else:
+                        job.future.set_result(job.result)
+                if acks and self.spool.collectable():
+                    # deleting acknowledged segments (tens of ms each) happens after the
+                    # callers were answered, between ack commits
+                    try:
+                        await run_blocking(self.spool.collect)
+                    except Exception:
+                        logger.exception("deleting acknowledged spool segments failed")
+            if self._closing:
+                return
+
+    def _commit_records(self, jobs: list[_Job]) -> None:
+        """In a thread: append every job's records (one writev), then one fdatasync."""
+        spool = self.spool
+        try:  # one writev for the whole round
+            spool.append_many([record for job in jobs for record in job.records])
+        except ValueError:  # an id published before: only its job fails
+            for job in jobs:
+                try:
+                    spool.append_many(job.records)
+                except ValueError as exc:
+                    job.error = ValueError(f"{exc} (published before)")
+        spool.sync_records()
+
+    def _commit_acks(self, jobs: list[_Job], drops: list[str]) -> None:
+        """In a thread: record every ack (and stale drop), then one fsync of the ack log."""
+        spool = self.spool
+        for job in jobs:
+            job.result = spool.ack(job.ack_ids, sync=False)
+        if drops:
+            spool.ack(drops, sync=False)
+        spool.sync_acks(collect=False)
+
+    def _on_drop(self, trajectories: list[Trajectory]) -> None:
+        for t in trajectories:
+            self._encoded.pop(t.id, None)
+            self._drop_ids.append(t.id)
+        self.counters["dropped_stale"] += len(trajectories)
+        self._lanes["acks"].wake.set()
+
+    # -- producer / consumer ---------------------------------------------------------------
+
+    async def publish(self, group: Sequence[Trajectory]) -> None:
+        """Make ``group`` durable in the spool (sharing fsyncs with concurrent publishers),
+        then queue it, waiting while the buffer is full (back-pressure).  Raises ValueError
+        for a malformed group or an id published before.  If cancelled while waiting for
+        buffer space, the (already durable) group is queued anyway so it is not stranded."""
+        group = list(group)
+        if len(group) != self.config.buffer.group_size:
+            raise ValueError(
+                f"a group must hold exactly {self.config.buffer.group_size} trajectories "
+                f"(BufferConfig.group_size), got {len(group)}"
+            )
+        records = [(t.id, encode_msgpack(t)) for t in group]
+        await self._submit(_Job(records=records))
+        self._encoded.update(records)
+        try:
+            await self.buffer.put(group)
+        except asyncio.CancelledError:
+            self.buffer.restore([group])
+            raise
+        self.counters["published"] += len(group)
+
+    async def lease(
+        self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
+    ) -> Lease | None:
+        """Lease whole groups (up to ``max_trajectories``), waiting up to ``wait`` seconds;
+        None if none came.  See ``TrajectoryBuffer.lease``."""
+        lease = await self.buffer.lease(
+            max_trajectories, timeout=wait, trainer_version=trainer_version
+        )
+        if lease is not None:
+            self.counters["delivered"] += len(lease.trajectories)
+        return lease
+
+    def encoded(self, trajectory_id: str) -> bytes | None:
+        """The msgpack bytes of a held trajectory (what the spool stores), if known."""
+        return self._encoded.get(trajectory_id)
+
+    async def ack(self, ids: Iterable[str]) -> int:
+        """Acknowledge trajectories: they leave the buffer and, durably before this returns,
+        the spool.  Returns how many left the spool; unknown ids are ignored."""
+        ids = list(dict.fromkeys(ids))
+        self.buffer.ack(ids)
+        for rid in ids:
+            self._encoded.pop(rid, None)
+        acked = await self._submit(_Job(ack_ids=ids))
+        self.counters["acked"] += acked
+        return acked
+
+    async def apply_weights(self, update: WeightUpdate) -> None:
+        """Apply ``update`` through ``on_weights``, then make its version the policy and the
+        buffer's trainer version (re-checking staleness).  Raises ``WeightSyncError`` when
+        there is no ``on_weights`` or it refused the update."""
+        if self.on_weights is None:
+            raise WeightSyncError(
+                "this worker takes no weight updates (no on_weights callback); start it with "
+                "TrajectoryStream(..., on_weights=backend_apply)"
+            )
+        await self.on_weights(update)
+        self.policy_version = update.version
+        self.counters["weight_updates"] += 1
+        if update.version > self.buffer.statistics().trainer_version:
+            self.buffer.set_trainer_version(update.version)
+
+    # -- observability ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Buffer and spool statistics, versions, counters and uptime (JSON-ready)."""
+        self.buffer.expire()
+        buffer = msgspec.to_builtins(self.buffer.statistics())
+        return {
+            "uptime_s": time.monotonic() - self._started,
+            "policy_version": self.policy_version,
+            "trainer_version": buffer["trainer_version"],
+            "stream": dict(self.counters),
+            "buffer": buffer,
+            "spool": msgspec.to_builtins(self.spool.statistics()),
+        }
+
+    def metrics(self) -> str:
+        """Prometheus text exposition (``agentroll_`` prefix)."""
+        status = self.status()
+        lines: list[str] = []
+        declared: set[str] = set()
+
+        def emit(name: str, kind: str, value: float, labels: str = "") -> None:
+            if name not in declared:
+                declared.add(name)
+                lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{labels} {float(value):g}")
+
+        emit("agentroll_uptime_seconds", "gauge", status["uptime_s"])
+        emit("agentroll_policy_version", "gauge", status["policy_version"])
+        emit("agentroll_trainer_version", "gauge", status["trainer_version"])
+        for key, value in status["stream"].items():
+            emit(f"agentroll_stream_{key}_total", "counter", value)
+        gauges = {"queued", "leased", "capacity", "waiting_producers", "open_leases"}
+        for key, value in status["buffer"].items():
+            if key == "staleness":
+                for k, n in value.items():
+                    emit("agentroll_buffer_staleness_total", "counter", n, f'{{staleness="{k}"}}')
+            elif isinstance(value, int | float) and key != "trainer_version":
+                kind = "gauge" if key in gauges else "counter"
+                emit(f"agentroll_buffer_{key}{'_total' if kind == 'counter' else ''}", kind, value)
+        for key, value in status["spool"].items():
+            kind = (
+                "gauge" if key in {"records", "bytes", "segments", "ack_log_bytes"} else "counter"
+            )
+            emit(f"agentroll_spool_{key}{'_total' if kind == 'counter' else ''}", kind, value)
+        return "\n".join(lines) + "\n"
+
+
+# -- HTTP API ------------------------------------------------------------------------------
+
+
+class _RawLeaseBatch(msgspec.Struct, kw_only=True):
+    """``LeaseBatch`` with trajectories as their stored msgpack bytes (no re-encoding);
+    ``trajectories`` is the last field: encoded empty, its header is the last byte."""
+
+    lease_id: str
+    expires_at: float
+    ttl: float
+    trainer_version: int
+    trajectories: list[msgspec.Raw]
+
+
+def _msgpack_array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` items (what ``encode`` writes before them)."""
+    if n < 16:
+        return bytes([0x90 | n])
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = PlainTextResponse(
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
+                    "the token the worker was started with",
+                    401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) has disconnected: a
+    long-poll whose client gave up must not take trajectories it can never deliver."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _decode_body(request: Request, body: bytes, typ: type[Any]) -> Any:
+    is_json = "json" in request.headers.get("content-type", "")
+    try:
+        return decode_json(body, typ) if is_json else decode_msgpack(body, typ)
+    except (msgspec.MsgspecError, ValueError) as exc:
+        fmt = "JSON" if is_json else "msgpack"
+        raise HTTPException(400, f"malformed {fmt} body for {typ.__name__}: {exc}") from exc
+
+
+def _wants_json(request: Request) -> bool:
+    return JSON in request.headers.get("accept", "")
+
+
+def _reply(request: Request, obj: Any) -> Response:
+    if _wants_json(request):
+        return Response(encode_json(obj), media_type=JSON)
+    return Response(encode_msgpack(obj), media_type=MSGPACK)
+
+
+def stream_app(
+    stream: TrajectoryStream, *, token: str | None = None, stop: asyncio.Event | None = None
+) -> Starlette:
+    """The worker's HTTP API over ``stream`` (routes in the module docstring of
+    ``agentroll.stream``).  ``stop``, once set, ends pending long-polls with 204."""
+    config = stream.config
+    stop = stop or asyncio.Event()
+
+    async def lease(request: Request) -> Response:
+        body = await _read_body(request, config.max_body_bytes)
+        req = _decode_body(request, body, LeaseRequest) if body else LeaseRequest()
+        query = request.query_params
+        try:
+            if "max" in query:
+                req.max = int(query["max"])
+            if "wait" in query:
+                req.wait = float(query["wait"])
+            if "trainer_version" in query:
+                req.trainer_version = int(query["trainer_version"])
+        except ValueError as exc:
+            raise HTTPException(400, f"bad query parameter: {exc}") from exc
+        if not 1 <= req.max <= config.max_lease:
+            raise HTTPException(400, f"max={req.max}; ask for 1 to {config.max_lease}")
+        if not 0 <= req.wait <= config.max_wait:
+            raise HTTPException(400, f"wait={req.wait}; use 0 to {config.max_wait} seconds")
+        if req.trainer_version is not None and req.trainer_version < 0:
+            raise HTTPException(400, f"trainer_version={req.trainer_version}; use >= 0")
+        task = asyncio.ensure_future(
+            stream.lease(req.max, wait=req.wait, trainer_version=req.trainer_version)
+        )
+        stopping = asyncio.ensure_future(stop.wait())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, stopping, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            gone.cancel()
+            if not task.done():
+                task.cancel()  # the buffer hands out nothing on cancellation
+            await asyncio.wait({task})
+        # a lease that came as the client left is offered again after its ttl
+        got = None if task.cancelled() else task.result()
+        if got is None:
+            return Response(status_code=204)
+        ttl = got.expires_at - stream._clock()
+        head: dict[str, Any] = {
+            "lease_id": got.id,
+            "expires_at": time.time() + ttl,
+            "ttl": ttl,
+            "trainer_version": got.trainer_version,
+        }
+        if _wants_json(request):
+            return Response(
+                encode_json(LeaseBatch(**head, trajectories=got.trajectories)), media_type=JSON
+            )
+        # the stored msgpack of each trajectory, not re-encoded: the batch's fields, then an
+        # array header, then the records, joined once; a memoryview lets the transport
+        # buffer what the socket does not take at once without copying it first
+        prefix = msgspec.msgpack.encode(_RawLeaseBatch(**head, trajectories=[]))
+        parts = [prefix[:-1], _msgpack_array_header(len(got.trajectories))]
+        for t in got.trajectories:
+            data = stream.encoded(t.id)
+            parts.append(data if data is not None else encode_msgpack(t))
+        return Response(memoryview(b"".join(parts)), media_type=MSGPACK)
+
+    async def ack(request: Request) -> Response:
+        body = await _read_body(request, config.max_body_bytes)
+        req = _decode_body(request, body, AckRequest)
+        return _reply(request, AckReply(acked=await stream.ack(req.ids)))
+
+    async def weights(request: Request) -> Response:
+        from agentroll.weights.transport import FrameDecoder
+
+        limit = config.max_weights_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPException(413, f"weight upload of {declared} bytes exceeds {limit} bytes")
+        decoder = FrameDecoder()
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPException(
+                        413, f"weight upload exceeds {limit} bytes (StreamConfig.max_weights_bytes)"
+                    )
+                decoder.feed(chunk)
+            update = decoder.finish()
+        except ClientDisconnect:
+            return Response(status_code=400)  # the sender is gone; nothing is applied
+        except WeightSyncError as exc:
+            return PlainTextResponse(f"malformed weight upload: {exc}", 400)
+        try:
+            await stream.apply_weights(update)
+        except WeightSyncError as exc:
+            return PlainTextResponse(str(exc), 409)
+        return JSONResponse({"version": update.version})
+
+    async def status(request: Request) -> Response:
+        return Response(msgspec.json.encode(stream.status()), media_type=JSON)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(stream.metrics(), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/lease", lease, methods=["POST"]),
+        Route("/v1/ack", ack, methods=["POST"]),
+        Route("/v1/weights", weights, methods=["POST"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
+    return Starlette(routes=routes, middleware=middleware)
+
+
+@contextlib.asynccontextmanager
+async def serve_stream(
+    stream: TrajectoryStream,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+) -> AsyncIterator[str]:
+    """Serve ``stream_app(stream)`` under uvicorn for the duration of the block; yields the
+    base URL (``port=0`` picks a free port).  A non-loopback ``host`` without a ``token``
+    raises ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish
+    (up to 5 s) and the server task is awaited, also when the block is cancelled."""
+    from agentroll.weights.http import _EmbeddedServer, _is_loopback
+
+    if token is None and not _is_loopback(host):
+        raise ConfigError(
+            f"serving trajectories on {host!r} needs a token (token=...), or bind 127.0.0.1"
+        )
+    import uvicorn
+
+    stop = asyncio.Event()
+    sock = socket.create_server((host, port))
+    # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and
+    # create_server's is 0: with Nagle on, every small reply (an ack) waited ~40 ms for the
+    # client's delayed ACK.  Accepted connections inherit the option from the listener.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        bound_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            stream_app(stream, token=token, stop=stop),
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server = _EmbeddedServer(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]), name="agentroll-stream-server")
+        try:
+            ready = asyncio.ensure_future(server.ready.wait())
+            try:
+                await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+            if task.done():
+                task.result()
+                raise RuntimeError("the stream server exited during startup")
+            url_host = f"[{host}]" if ":" in host else host
+            yield f"http://{url_host}:{bound_port}"
+        finally:
+            stop.set()
+            server.should_exit = True
+            try:
+                await asyncio.shield(task)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.wait({task})
+    finally:
+        sock.close()

@@ -1,0 +1,631 @@
+"""The durable spool: finished trajectories on disk until a trainer acknowledges them.
+
+A directory of append-only segment files plus an ack log.  Invariants: a record is durable
+once ``flush`` returned (written and fsync'd); on open every segment is scanned and a torn or
+corrupt tail (partial frame, bad magic, bad xxh3) is truncated, counted and logged, so what
+``pending`` yields always passed its checksum; an acknowledged record is never yielded again,
+and a segment whose records are all acknowledged is deleted once the ack is durable.
+Methods are synchronous and thread-safe (one lock); async callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+import xxhash
+
+from agentroll.errors import ConfigError
+from agentroll.types import Trajectory, encode_msgpack
+
+logger = logging.getLogger("agentroll.stream.spool")
+
+#: record frame: magic, payload length, id length, reserved, xxh3-64 of (bytes 4..12, id,
+#: payload); then the id (utf-8) and the payload (``encode_msgpack(trajectory)``)
+RECORD_MAGIC = b"ARS\x01"
+_RECORD = struct.Struct("<4sIHHQ")
+#: ack frame: magic, payload length, xxh3-64 of (bytes 4..8, payload); payload = msgpack ids
+ACK_MAGIC = b"ARK\x01"
+_ACK = struct.Struct("<4sIQ")
+ACK_LOG = "acks.log"
+LOCK_FILE = "LOCK"
+_SEGMENT_SUFFIX = ".seg"
+MAX_PAYLOAD = (1 << 32) - 1
+MAX_ID_BYTES = (1 << 16) - 1
+_WRITEV_RECORDS = 300  # 3 buffers per record: under IOV_MAX (1024)
+
+
+class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Static spool settings.
+
+    ``segment_bytes``: a segment is closed (and a new one started) once it reaches this size;
+    smaller segments free disk sooner after acks.  ``sync_every``: when > 0, ``append``
+    flushes by itself after this many unflushed records (0: only explicit ``flush`` calls).
+    ``compact_ack_log_bytes``: the ack log is rewritten (only the acks still needed) when it
+    grows past this size."""
+
+    segment_bytes: int = 64 << 20
+    sync_every: int = 0
+    compact_ack_log_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.segment_bytes < 4096:
+            raise ConfigError(f"SpoolConfig.segment_bytes={self.segment_bytes}; use >= 4096")
+        if self.sync_every < 0:
+            raise ConfigError(f"SpoolConfig.sync_every={self.sync_every}; use 0 (off) or >= 1")
+        if self.compact_ack_log_bytes < 1024:
+            raise ConfigError(
+                f"SpoolConfig.compact_ack_log_bytes={self.compact_ack_log_bytes}; use >= 1024"
+            )
+
+
+class SpoolStats(msgspec.Struct, kw_only=True):
+    """Counters of one open spool.  ``records``: unacknowledged records (durable or not);
+    ``bytes``: size of the segment files; ``torn_bytes_dropped``: bytes truncated at open."""
+
+    records: int = 0
+    bytes: int = 0
+    segments: int = 0
+    appended: int = 0
+    acked: int = 0
+    fsyncs: int = 0
+    torn_bytes_dropped: int = 0
+    torn_records_dropped: int = 0
+    ack_log_bytes: int = 0
+    ack_log_compactions: int = 0
+
+
+class SpoolRecord(msgspec.Struct, frozen=True):
+    """One durable, unacknowledged record: trajectory id and its msgpack bytes."""
+
+    id: str
+    data: bytes
+
+
+class _Segment:
+    __slots__ = ("acked", "live", "number", "path", "size")
+
+    def __init__(self, number: int, path: Path, size: int) -> None:
+        self.number = number
+        self.path = path
+        self.size = size
+        self.live = 0  # unacknowledged records
+        self.acked: set[str] = set()  # acknowledged ids still stored here (for compaction)
+
+
+def _record_checksum(header_tail: bytes, rid: bytes, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(header_tail)
+    h.update(rid)
+    h.update(payload)
+    return h.intdigest()
+
+
+def encode_record(traj_id: str, payload: bytes) -> bytes:
+    """One framed record (exposed for tests that forge torn or corrupt files)."""
+    return b"".join(_frame_parts(traj_id, payload))
+
+
+def _frame_parts(traj_id: str, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    rid = traj_id.encode()
+    if len(rid) > MAX_ID_BYTES or len(payload) > MAX_PAYLOAD:
+        raise ValueError(
+            f"record {traj_id[:40]!r} too large for the spool frame (id {len(rid)} bytes, "
+            f"payload {len(payload)} bytes; limits {MAX_ID_BYTES} and {MAX_PAYLOAD})"
+        )
+    tail = struct.pack("<IHH", len(payload), len(rid), 0)
+    digest = _record_checksum(tail, rid, payload)
+    return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), 0, digest), rid, payload
+
+
+def _encode_ack(ids: list[str]) -> bytes:
+    payload = msgspec.msgpack.encode(ids)
+    length = struct.pack("<I", len(payload))
+    digest = xxhash.xxh3_64_intdigest(length + payload)
+    return _ACK.pack(ACK_MAGIC, len(payload), digest) + payload
+
+
+def _scan_records(data: bytes) -> tuple[list[tuple[str, int, int]], int, int]:
+    """Parse a segment: ``([(id, payload_offset, payload_len)], good_end, torn_records)``;
+    ``good_end`` is the end of the last intact frame (everything after it is dropped)."""
+    view = memoryview(data)
+    out: list[tuple[str, int, int]] = []
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < _RECORD.size:
+            return out, pos, 1
+        magic, length, id_len, _, digest = _RECORD.unpack_from(data, pos)
+        start = pos + _RECORD.size
+        end = start + id_len + length
+        if magic != RECORD_MAGIC or end > len(data):
+            return out, pos, 1
+        rid = bytes(view[start : start + id_len])
+        payload = view[start + id_len : end]
+        if _record_checksum(bytes(view[pos + 4 : pos + 12]), rid, payload) != digest:
+            return out, pos, 1
+        try:
+            out.append((rid.decode(), start + id_len, length))
+        except UnicodeDecodeError:
+            return out, pos, 1
+        pos = end
+    return out, pos, 0
+
+
+def _scan_acks(data: bytes) -> tuple[list[str], int]:
+    """Parse the ack log: ``(ids, good_end)``."""
+    ids: list[str] = []
+    pos = 0
+    while len(data) - pos >= _ACK.size:
+        magic, length, digest = _ACK.unpack_from(data, pos)
+        end = pos + _ACK.size + length
+        if magic != ACK_MAGIC or end > len(data):
+            break
+        if xxhash.xxh3_64_intdigest(data[pos + 4 : pos + 8] + data[pos + _ACK.size : end]) != (
+            digest
+        ):
+            break
+        try:
+            ids.extend(msgspec.msgpack.decode(data[pos + _ACK.size : end], type=list[str]))
+        except msgspec.MsgspecError:
+            break
+        pos = end
+    return ids, pos
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    """An open spool directory (created if missing); one process at a time (``ConfigError``
+    if another process holds it).  Use as a context manager or call ``close``.
+
+    Raises ``OSError`` from the filesystem as is (disk full, permissions)."""
+
+    def __init__(self, path: str | Path, config: SpoolConfig | None = None) -> None:
+        self.path = Path(path)
+        self.config = config or SpoolConfig()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._stats = SpoolStats()
+        self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise ConfigError(
+                f"spool {self.path} is in use by another process; give each worker its own "
+                "spool directory (or stop the other worker first)"
+            ) from exc
+        self._segments: dict[int, _Segment] = {}
+        self._pending: dict[str, tuple[int, int, int]] = {}  # id -> (segment, offset, length)
+        self._unflushed: set[str] = set()
+        self._syncing: set[str] = set()  # being fsync'd by sync_records (lock not held)
+        self._active: _Segment | None = None
+        self._fd: int | None = None
+        self._next_segment = 1
+        self._ack_dirty = False
+        self._closed = False
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- open / recovery -------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        ack_path = self.path / ACK_LOG
+        acked: set[str] = set()
+        if ack_path.exists():
+            data = ack_path.read_bytes()
+            ids, good = _scan_acks(data)
+            acked.update(ids)
+            if good < len(data):
+                self._truncate(ack_path, good, len(data) - good, "ack log")
+        numbers = sorted(
+            int(p.name[: -len(_SEGMENT_SUFFIX)])
+            for p in self.path.glob(f"*{_SEGMENT_SUFFIX}")
+            if p.name[: -len(_SEGMENT_SUFFIX)].isdigit()
+        )
+        for number in numbers:
+            seg_path = self._segment_path(number)
+            data = seg_path.read_bytes()
+            records, good, torn = _scan_records(data)
+            if good < len(data):
+                self._stats.torn_records_dropped += torn
+                self._truncate(seg_path, good, len(data) - good, "segment")
+            else:
+                # records a killed process wrote but did not fsync are about to be offered:
+                # make them durable first
+                with open(seg_path, "rb") as f:
+                    os.fsync(f.fileno())
+                self._stats.fsyncs += 1
+            seg = self._segments[number] = _Segment(number, seg_path, good)
+            for rid, offset, length in records:
+                if rid in acked:
+                    seg.acked.add(rid)
+                elif rid not in self._pending:
+                    seg.live += 1
+                    self._pending[rid] = (number, offset, length)
+            self._next_segment = number + 1
+        self._ack_fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._stats.ack_log_bytes = os.fstat(self._ack_fd).st_size
+        # acks written by a killed process may sit in the page cache only: make them durable
+        # before deleting the segments they cover
+        os.fsync(self._ack_fd)
+        _fsync_dir(self.path)
+        self._stats.fsyncs += 1
+        for seg in list(self._segments.values()):
+            if seg.live == 0:
+                self._delete_segment(seg)
+        if self._stats.ack_log_bytes > self.config.compact_ack_log_bytes:
+            self._compact_ack_log()
+        self._refresh_stats()
+        if self._pending:
+            logger.info("spool %s: %d unacknowledged records", self.path, len(self._pending))
+
+    def _truncate(self, path: Path, good: int, dropped: int, what: str) -> None:
+        logger.warning(
+            "spool %s: dropped a torn or corrupt tail of %d bytes from %s %s",
+            self.path,
+            dropped,
+            what,
+            path.name,
+        )
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
+        self._stats.fsyncs += 1
+        self._stats.torn_bytes_dropped += dropped
+
+    def _segment_path(self, number: int) -> Path:
+        return self.path / f"{number:012d}{_SEGMENT_SUFFIX}"
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def append(self, item: Trajectory | tuple[str, bytes]) -> None:
+        """Append one trajectory (or ``(id, encode_msgpack(trajectory))``).  The record is
+        written to the OS (it survives a killed process, not a power loss) and becomes
+        durable at the next ``flush``.  Raises ``ValueError`` if the id is already pending."""
+        if isinstance(item, Trajectory):
+            rid, payload = item.id, encode_msgpack(item)
+        else:
+            rid, payload = item
+        parts = _frame_parts(rid, payload)  # written with writev: the payload is not copied
+        size = sum(len(p) for p in parts)
+        with self._lock:
+            self._check_open()
+            if rid in self._pending:
+                raise ValueError(f"trajectory {rid!r} is already in the spool; ids must be unique")
+            seg = self._active
+            if seg is None or seg.size >= self.config.segment_bytes:
+                seg = self._open_segment()
+            assert self._fd is not None
+            offset = seg.size
+            written = os.writev(self._fd, parts)
+            if written < size:  # a short write (signal, full disk): finish it or raise
+                rest = b"".join(parts)[written:]
+                while rest:
+                    rest = rest[os.write(self._fd, rest) :]
+            seg.size += size
+            seg.live += 1
+            self._pending[rid] = (
+                seg.number,
+                offset + _RECORD.size + len(rid.encode()),
+                len(payload),
+            )
+            self._unflushed.add(rid)
+            self._stats.appended += 1
+            self._stats.bytes += size
+            self._stats.records = len(self._pending)
+            auto = 0 < self.config.sync_every <= len(self._unflushed)
+        if auto:
+            self.flush()
+
+    def append_many(self, items: Iterable[Trajectory | tuple[str, bytes]]) -> None:
+        """Append several records as ``append`` does, with one ``writev`` per segment (and
+        per ~300 records) instead of one per record: a thread writing a group commit gives
+        the GIL up a few times, not once per record (each time it waits up to the switch
+        interval to get it back).  Raises ``ValueError``, with nothing written, if an id is
+        already pending or repeated, or a record is too large."""
+        framed: list[tuple[str, tuple[bytes, bytes, bytes]]] = []
+        for item in items:
+            if isinstance(item, Trajectory):
+                rid, payload = item.id, encode_msgpack(item)
+            else:
+                rid, payload = item
+            framed.append((rid, _frame_parts(rid, payload)))
+        if len({rid for rid, _ in framed}) != len(framed):
+            raise ValueError("the same trajectory id twice in one append; ids must be unique")
+        limit = self.config.segment_bytes
+        with self._lock:
+            self._check_open()
+            dup = next((rid for rid, _ in framed if rid in self._pending), None)
+            if dup is not None:
+                raise ValueError(f"trajectory {dup!r} is already in the spool; ids must be unique")
+            i = 0
+            while i < len(framed):
+                seg = self._active
+                if seg is None or seg.size >= limit:
+                    seg = self._open_segment()
+                assert self._fd is not None
+                j, end = i, seg.size
+                while j < len(framed) and j - i < _WRITEV_RECORDS and (j == i or end < limit):
+                    end += sum(len(p) for p in framed[j][1])
+                    j += 1
+                parts = [p for _, record in framed[i:j] for p in record]
+                written = os.writev(self._fd, parts)
+                if written < end - seg.size:  # a short write (signal, full disk)
+                    rest = b"".join(parts)[written:]
+                    while rest:
+                        rest = rest[os.write(self._fd, rest) :]
+                offset = seg.size
+                for rid, (head, rid_bytes, payload) in framed[i:j]:
+                    self._pending[rid] = (
+                        seg.number,
+                        offset + len(head) + len(rid_bytes),
+                        len(payload),
+                    )
+                    offset += len(head) + len(rid_bytes) + len(payload)
+                    self._unflushed.add(rid)
+                seg.live += j - i
+                self._stats.appended += j - i
+                self._stats.bytes += offset - seg.size
+                seg.size = offset
+                i = j
+            self._stats.records = len(self._pending)
+            auto = 0 < self.config.sync_every <= len(self._unflushed)
+        if auto:
+            self.flush()
+
+    def _open_segment(self) -> _Segment:
+        if self._fd is not None:
+            # records of the closing segment are made durable before it stops being active;
+            # every unflushed record lives in the active segment
+            os.fdatasync(self._fd)
+            self._stats.fsyncs += 1
+            os.close(self._fd)
+            self._fd = None
+            self._unflushed.clear()
+        number = self._next_segment
+        self._next_segment += 1
+        path = self._segment_path(number)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        _fsync_dir(self.path)  # the new file's name is durable before any record in it
+        seg = self._active = self._segments[number] = _Segment(number, path, 0)
+        self._stats.segments = len(self._segments)
+        return seg
+
+    def flush(self, *, collect: bool = True) -> None:
+        """Make every appended record and every ack durable (fsync), then (with ``collect``)
+        delete segments whose records are all acknowledged.  One fsync per file that
+        changed.  ``collect=False`` leaves the deletions (an unlink of a big segment takes
+        tens of ms) to a later ``collect()``, e.g. after the callers were told "durable"."""
+        self.sync_records()
+        self.sync_acks(collect=collect)
+
+    def sync_records(self) -> None:
+        """Make every record appended before this call durable (fdatasync of the active
+        segment, outside the lock: appends and acks go on meanwhile; concurrent with
+        ``sync_acks`` in another thread, the two fsyncs overlap)."""
+        with self._lock:
+            self._check_open()
+            if not self._unflushed or self._fd is None:
+                self._unflushed.clear()  # nothing written since, or its segment is gone
+                return
+            batch, self._unflushed = self._unflushed, set()
+            self._syncing |= batch
+            fd = os.dup(self._fd)  # a rollover may close self._fd meanwhile
+        try:
+            os.fdatasync(fd)
+        except BaseException:
+            with self._lock:
+                self._unflushed |= {rid for rid in batch if rid in self._pending}
+            raise
+        finally:
+            os.close(fd)
+            with self._lock:
+                self._syncing -= batch
+        with self._lock:
+            self._stats.fsyncs += 1
+
+    def sync_acks(self, *, collect: bool = True) -> None:
+        """Make every recorded ack durable (fsync of the ack log, outside the lock), then
+        with ``collect`` delete the segments whose records are all acknowledged."""
+        with self._lock:
+            self._check_open()
+            fd = os.dup(self._ack_fd) if self._ack_dirty else None
+            self._ack_dirty = False
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            except BaseException:
+                with self._lock:
+                    self._ack_dirty = True
+                raise
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._stats.fsyncs += 1
+        if collect:
+            with self._lock:
+                self._sync_acks(collect=False)  # acks recorded meanwhile, if any
+                self._collect()
+
+    def collectable(self) -> bool:
+        """Whether ``collect`` has a fully acknowledged segment to delete."""
+        with self._lock:
+            return any(seg.live == 0 for seg in self._segments.values())
+
+    def collect(self) -> None:
+        """Make pending acks durable, delete every fully acknowledged segment and compact
+        the ack log if it is due (what ``flush`` does after its fsyncs)."""
+        with self._lock:
+            self._check_open()
+            self._sync_acks(collect=False)
+            self._collect()
+
+    # -- acknowledging ---------------------------------------------------------------------
+
+    def ack(self, ids: Iterable[str], *, sync: bool = True) -> int:
+        """Acknowledge records by id; returns how many were pending (unknown or already
+        acknowledged ids are ignored).  With ``sync`` the ack is durable on return and fully
+        acknowledged segments are deleted; otherwise that happens at the next ``flush``."""
+        with self._lock:
+            self._check_open()
+            known: list[str] = []
+            for rid in ids:
+                loc = self._pending.pop(rid, None)
+                if loc is None:
+                    continue
+                known.append(rid)
+                self._unflushed.discard(rid)
+                self._syncing.discard(rid)
+                seg = self._segments[loc[0]]
+                seg.live -= 1
+                seg.acked.add(rid)
+            if known:
+                frame = _encode_ack(known)
+                os.write(self._ack_fd, frame)
+                self._stats.ack_log_bytes += len(frame)
+                self._stats.acked += len(known)
+                self._stats.records = len(self._pending)
+                self._ack_dirty = True
+            if sync:
+                self._sync_acks()
+            return len(known)
+
+    def _sync_acks(self, *, collect: bool = True) -> None:
+        if not self._ack_dirty:
+            return
+        os.fsync(self._ack_fd)
+        self._stats.fsyncs += 1
+        self._ack_dirty = False
+        if collect:
+            self._collect()
+
+    def _collect(self) -> None:
+        """Under the lock, with every recorded ack durable."""
+        for seg in list(self._segments.values()):
+            if seg.live == 0:
+                self._delete_segment(seg)
+        if self._stats.ack_log_bytes > self.config.compact_ack_log_bytes:
+            self._compact_ack_log()
+
+    def _delete_segment(self, seg: _Segment) -> None:
+        if seg is self._active:
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd = None
+            self._active = None
+        seg.path.unlink(missing_ok=True)
+        del self._segments[seg.number]
+        self._stats.bytes -= seg.size
+        self._stats.segments = len(self._segments)
+
+    def _compact_ack_log(self) -> None:
+        """Rewrite the ack log with only the acks of records still stored (atomic rename)."""
+        keep = [rid for seg in self._segments.values() for rid in sorted(seg.acked)]
+        frame = _encode_ack(keep) if keep else b""
+        if len(frame) * 2 > self._stats.ack_log_bytes:
+            return  # rewriting would not shrink it much; wait for segments to go
+        ack_path = self.path / ACK_LOG
+        tmp = ack_path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(frame)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, ack_path)
+        _fsync_dir(self.path)
+        os.close(self._ack_fd)
+        self._ack_fd = os.open(ack_path, os.O_WRONLY | os.O_APPEND)
+        self._stats.fsyncs += 2
+        self._stats.ack_log_bytes = len(frame)
+        self._stats.ack_log_compactions += 1
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def pending(self) -> Iterator[SpoolRecord]:
+        """Every durable, unacknowledged record in append order (records appended since the
+        last ``flush`` are skipped; records acknowledged while iterating may still appear)."""
+        with self._lock:
+            self._check_open()
+            locs = [
+                (rid, loc)
+                for rid, loc in self._pending.items()
+                if rid not in self._unflushed and rid not in self._syncing
+            ]
+        fds: dict[int, int] = {}
+        try:
+            for rid, (number, offset, length) in locs:
+                fd = fds.get(number)
+                if fd is None:
+                    try:
+                        fd = fds[number] = os.open(self._segment_path(number), os.O_RDONLY)
+                    except FileNotFoundError:
+                        continue  # every record in it was acknowledged meanwhile
+                data = os.pread(fd, length, offset)
+                if len(data) == length:
+                    yield SpoolRecord(rid, data)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._pending
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def statistics(self) -> SpoolStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            self._refresh_stats()
+            return msgspec.structs.replace(self._stats)
+
+    def _refresh_stats(self) -> None:
+        self._stats.records = len(self._pending)
+        self._stats.segments = len(self._segments)
+        self._stats.bytes = sum(s.size for s in self._segments.values())
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"spool {self.path} is closed")
+
+    def close(self) -> None:
+        """Flush and release the directory (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._fd is not None:
+                    if self._unflushed:
+                        os.fdatasync(self._fd)
+                    os.close(self._fd)
+                    self._fd = None
+                if hasattr(self, "_ack_fd"):
+                    if self._ack_dirty:
+                        os.fsync(self._ack_fd)
+                    os.close(self._ack_fd)
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

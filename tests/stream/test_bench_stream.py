@@ -1,0 +1,48 @@
+"""``agentroll bench stream`` with tiny numbers: the result line has exactly the promised keys,
+every published trajectory was delivered once (the bench raises otherwise), the figures are
+positive and the limit is the smaller of the two measured limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentroll.bench_stream import run_stream_bench, synthetic_trajectory
+from agentroll.errors import ConfigError
+from agentroll.types import Trajectory, decode_msgpack, encode_msgpack
+
+KEYS = [
+    "traj_per_s",
+    "mb_per_s",
+    "json_mb_per_s",
+    "raw_tcp_mb_per_s",
+    "disk_mb_per_s",
+    "limit_mb_per_s",
+]
+
+
+@pytest.mark.slow  # starts a worker process (imports torch through the weights server)
+def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> None:
+    result = run_stream_bench(
+        48, 64, group_size=4, lease_max=8, publishers=3, directory=tmp_path, progress=False
+    )
+    assert result.delivered == result.published == 48
+    pairs = [field.split("=") for field in result.line().split()]
+    assert [k for k, _ in pairs] == KEYS
+    values = {k: float(v) for k, v in pairs}
+    assert all(v > 0 for v in values.values())
+    assert values["limit_mb_per_s"] == min(values["raw_tcp_mb_per_s"], values["disk_mb_per_s"])
+    assert list(tmp_path.iterdir()) == []  # the spool and the disk probe were removed
+
+
+def test_synthetic_trajectories_are_realistic_and_round_trip() -> None:
+    t = synthetic_trajectory(3, 2048, turns=4, group_size=8)
+    assert t.num_tokens == 2048 and len(t.turns) == 4
+    assert 0 < t.num_generated < 2048 and t.group_id.endswith("00000000")
+    back = decode_msgpack(encode_msgpack(t), Trajectory)
+    assert encode_msgpack(back) == encode_msgpack(t)
+    with pytest.raises(ConfigError, match="too few"):
+        synthetic_trajectory(0, 4, turns=4)
+    with pytest.raises(ConfigError, match="json_fraction"):
+        run_stream_bench(8, 64, json_fraction=0)

@@ -1,0 +1,402 @@
+"""The trajectory stream end to end over a real 127.0.0.1 server: nothing lost, nothing seen
+twice (lease expiry, consumer restart, worker kill -9), acks and stale drops leave the spool,
+bad requests get a 4xx and the worker keeps serving, tokens are enforced."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from agentroll.bench_stream import synthetic_trajectory
+from agentroll.buffer import BufferConfig
+from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.stream import (
+    StreamClient,
+    StreamConfig,
+    StreamError,
+    TrajectoryStream,
+    serve_stream,
+)
+from agentroll.types import Trajectory
+from agentroll.weights.update import TensorUpdate, WeightUpdate
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def traj(i: int, *, group_size: int = 1, version: int = 7) -> Trajectory:
+    t = synthetic_trajectory(i, 64, turns=2, prefix="t", group_size=group_size)
+    t.policy_version = np.where(t.loss_mask.astype(bool), version, -1).astype(np.int32)
+    return t
+
+
+def config(**buffer: object) -> StreamConfig:
+    settings: dict[str, object] = {"capacity": 64, "max_staleness": None, "lease_ttl": 10.0}
+    settings.update(buffer)
+    return StreamConfig(buffer=BufferConfig(**settings), max_body_bytes=4096)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def worker(
+    path: Path, cfg: StreamConfig | None = None, **kwargs: object
+) -> AsyncIterator[tuple[TrajectoryStream, str]]:
+    token = kwargs.pop("token", None)
+    async with (
+        TrajectoryStream(path, cfg or config(), **kwargs) as stream,  # type: ignore[arg-type]
+        serve_stream(stream, token=token) as url,  # type: ignore[arg-type]
+    ):
+        yield stream, url
+
+
+def segment_files(path: Path) -> list[Path]:
+    return list(path.glob("*.seg"))
+
+
+def append_text(path: Path, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def same(a: Trajectory, b: Trajectory) -> bool:
+    return (
+        a.id == b.id
+        and a.group_id == b.group_id
+        and a.turns == b.turns
+        and a.messages == b.messages
+        and all(
+            np.array_equal(getattr(a, k), getattr(b, k), equal_nan=k == "logprobs")
+            for k in ("token_ids", "logprobs", "loss_mask", "policy_version", "kv_version")
+        )
+    )
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_lease_ack_round_trip_is_bit_exact_and_empties_the_spool(
+    tmp_path: Path, fmt: str
+) -> None:
+    sent = [traj(i) for i in range(5)]
+    async with worker(tmp_path) as (stream, url):
+        for t in sent:
+            await stream.publish([t])
+        assert len(stream.spool) == 5  # durable before offered
+        async with StreamClient(url, format=fmt) as client:  # type: ignore[arg-type]
+            batch = await client.lease(max=10)
+            assert batch is not None and batch.ttl == pytest.approx(10.0, abs=1.0)
+            assert all(same(a, b) for a, b in zip(batch.trajectories, sent, strict=True))
+            assert await client.lease(max=10) is None  # 204: nothing left to lease
+            assert await client.ack([t.id for t in sent]) == 5
+            assert await client.ack([sent[0].id]) == 0  # acked twice: nothing left
+            status = await client.status()
+    assert status["spool"]["records"] == 0 and status["buffer"]["acked"] == 5
+    assert not segment_files(tmp_path)
+
+
+async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with worker(tmp_path, clock=clock) as (stream, url):
+        await stream.publish([traj(0)])
+        async with StreamClient(url) as client:
+            batches = client.batches(max=1, wait=5.0, prefetch=False)
+            first = await anext(batches)
+            assert [t.id for t in first] == ["t-00000000"]
+            clock.now += 11  # the lease expires unacknowledged
+            await stream.publish([traj(1)])
+            second = await anext(batches)
+            assert [t.id for t in second] == ["t-00000001"]
+            assert client.skipped == 1  # t0 was re-offered, not yielded twice
+            assert stream.buffer.statistics().expired_leases == 1
+            await client.ack(["t-00000000", "t-00000001"])
+            await batches.aclose()
+        assert len(stream.spool) == 0
+
+
+async def test_consumer_killed_mid_batch_gets_the_unacked_rest(tmp_path: Path) -> None:
+    clock = FakeClock()
+    seen = tmp_path / "seen.jsonl"
+    async with worker(tmp_path / "spool", clock=clock) as (stream, url):
+        for i in range(6):
+            await stream.publish([traj(i)])
+        async with StreamClient(url, seen_path=seen) as first:
+            batches = first.batches(max=4, wait=0, prefetch=False)
+            got = await anext(batches)
+            assert len(got) == 4
+            await first.ack([t.id for t in got[:2]])  # then the trainer dies
+            await batches.aclose()
+        clock.now += 11
+        append_text(seen, '["t-0000')  # torn tail of the seen file: dropped on load
+        async with StreamClient(url, seen_path=seen) as second:
+            received: list[str] = []
+            async for batch in second.batches(max=10, wait=0, auto_ack=True):
+                received += [t.id for t in batch]
+                if len(received) >= 4:
+                    break
+        assert sorted(received) == [f"t-0000000{i}" for i in range(2, 6)]
+
+
+async def test_acked_before_restart_is_never_yielded_and_is_reacked(tmp_path: Path) -> None:
+    seen = tmp_path / "seen.jsonl"
+    seen.write_text('["t-00000000"]\n')  # acked by a previous consumer; the worker forgot it
+    async with worker(tmp_path / "spool") as (stream, url):
+        await stream.publish([traj(0)])
+        await stream.publish([traj(1)])
+        async with StreamClient(url, seen_path=seen) as client:
+            batch = await anext(client.batches(max=1, wait=0, prefetch=False))
+        assert [t.id for t in batch] == ["t-00000001"]
+        assert "t-00000000" not in stream.spool  # re-acknowledged, left the spool
+
+
+async def test_worker_restart_restores_unacked_and_partial_groups(tmp_path: Path) -> None:
+    cfg = config(group_size=2)
+    async with worker(tmp_path, cfg) as (stream, url):
+        await stream.publish([traj(0, group_size=2), traj(1, group_size=2)])
+        await stream.publish([traj(2, group_size=2), traj(3, group_size=2)])
+        async with StreamClient(url) as client:
+            batch = await client.lease(max=2)
+            assert batch is not None
+            await client.ack([batch.trajectories[0].id])  # half of the first group
+    async with worker(tmp_path, cfg) as (stream, url):
+        assert stream.counters["restored"] == 3
+        async with StreamClient(url) as client:
+            partial = await client.lease(max=1)
+            full = await client.lease(max=2)
+    assert partial is not None and [t.id for t in partial.trajectories] == ["t-00000001"]
+    assert full is not None and [t.id for t in full.trajectories] == ["t-00000002", "t-00000003"]
+
+
+async def test_concurrent_publishers_share_fsyncs_and_back_pressure_keeps_them_durable(
+    tmp_path: Path,
+) -> None:
+    async with worker(tmp_path, config(capacity=4)) as (stream, url):
+        before = stream.spool.statistics().fsyncs
+        tasks = [asyncio.create_task(stream.publish([traj(i)])) for i in range(20)]
+        # the buffer has no event for "a producer waits": yield to the loop until 16 do
+        while stream.buffer.statistics().waiting_producers < 16:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        # 20 groups are durable, 4 are offered, 16 publishers wait for buffer space
+        assert len(stream.spool) == 20
+        assert stream.spool.statistics().fsyncs - before <= 3  # group commit
+        async with StreamClient(url) as client:
+            delivered: list[str] = []
+            while len(delivered) < 20:
+                batch = await client.lease(max=4, wait=5)
+                assert batch is not None
+                delivered += [t.id for t in batch.trajectories]
+                await client.ack(t.id for t in batch.trajectories)
+        await asyncio.gather(*tasks)
+        assert sorted(delivered) == sorted(f"t-{i:08d}" for i in range(20))
+        assert len(stream.spool) == 0
+
+
+def make_update(version: int) -> WeightUpdate:
+    payload = np.arange(5000, dtype=np.uint8).tobytes()
+    tensor = TensorUpdate(
+        name="w", dtype="uint8", shape=(5000,), encoding="full", payload=payload, checksum="0" * 32
+    )
+    return WeightUpdate(
+        version=version, base_version=version - 1, kind="full", tensors=(tensor,), digest="1" * 32
+    )
+
+
+async def test_weights_are_applied_and_stale_trajectories_leave_the_spool(tmp_path: Path) -> None:
+    applied: list[WeightUpdate] = []
+
+    async def on_weights(update: WeightUpdate) -> None:
+        if update.version == 99:
+            raise WeightSyncError("wrong base version 98; this replica is at 3")
+        applied.append(update)
+
+    cfg = config(max_staleness=1)
+    async with worker(tmp_path, cfg, on_weights=on_weights) as (stream, url):
+        await stream.publish([traj(0, version=1)])
+        await stream.publish([traj(1, version=3)])
+        async with StreamClient(url) as client:
+            await client.push_weights(make_update(3), chunk_bytes=1000)
+            assert applied == [make_update(3)]  # bit-exact after a streamed upload
+            with pytest.raises(WeightSyncError, match="wrong base"):
+                await client.push_weights(make_update(99))
+            batch = await client.lease(max=10)
+            assert batch is not None and [t.id for t in batch.trajectories] == ["t-00000001"]
+            status = await client.status()
+        assert status["policy_version"] == 3 and status["trainer_version"] == 3
+        assert stream.counters["dropped_stale"] == 1
+        await stream.ack([])  # one more group commit: the drop ack is durable by now
+        assert "t-00000000" not in stream.spool and "t-00000001" in stream.spool
+        async with httpx.AsyncClient() as raw:
+            bad = await raw.post(f"{url}/v1/weights", content=b"not a weight stream")
+            assert bad.status_code == 400 and "malformed weight upload" in bad.text
+
+
+async def test_bad_requests_get_4xx_and_the_worker_keeps_serving(tmp_path: Path) -> None:
+    async with worker(tmp_path) as (stream, url):
+        await stream.publish([traj(0)])
+        async with httpx.AsyncClient(base_url=url) as raw:
+            r = await raw.post("/v1/ack", content=b"\xc1garbage")
+            assert r.status_code == 400 and "malformed msgpack body" in r.text
+            r = await raw.post(
+                "/v1/ack", content=b'{"ids": 5}', headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400 and "Expected `array`" in r.text
+            r = await raw.post("/v1/ack", content=b"x" * 5000)
+            assert r.status_code == 413 and "4096-byte limit" in r.text
+
+            async def chunked() -> AsyncIterator[bytes]:
+                for _ in range(10):
+                    yield b"x" * 1000
+
+            r = await raw.post("/v1/ack", content=chunked())
+            assert r.status_code == 413
+            r = await raw.post("/v1/lease?max=abc")
+            assert r.status_code == 400 and "bad query parameter" in r.text
+            r = await raw.post("/v1/lease?max=0")
+            assert r.status_code == 400 and "max=0" in r.text
+            r = await raw.post("/v1/lease?wait=1e9")
+            assert r.status_code == 400
+            r = await raw.get("/v1/nope")
+            assert r.status_code == 404
+            r = await raw.get("/v1/lease")
+            assert r.status_code == 405
+            metrics = await raw.get("/metrics")
+            assert metrics.status_code == 200
+            assert "agentroll_stream_published_total 1" in metrics.text
+            for line in metrics.text.splitlines():
+                assert line.startswith("# TYPE agentroll_") or line.startswith("agentroll_")
+        async with StreamClient(url, format="json") as client:  # still serving
+            batch = await client.lease(max=1)
+            assert batch is not None and batch.trajectories[0].id == "t-00000000"
+
+
+async def test_token_is_required_on_every_route(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs a token"):
+        async with TrajectoryStream(tmp_path / "a") as stream, serve_stream(stream, host="0.0.0.0"):
+            pass
+    async with worker(tmp_path / "b", token="s3cret") as (stream, url):
+        async with httpx.AsyncClient(base_url=url) as raw:
+            for method, path in [
+                ("POST", "/v1/lease"),
+                ("POST", "/v1/ack"),
+                ("POST", "/v1/weights"),
+                ("GET", "/v1/status"),
+                ("GET", "/metrics"),
+            ]:
+                r = await raw.request(method, path)
+                assert r.status_code == 401, path
+                r = await raw.request(method, path, headers={"authorization": "Bearer wrong"})
+                assert r.status_code == 401, path
+            ok = await raw.get("/metrics", headers={"authorization": "Bearer s3cret"})
+            assert ok.status_code == 200
+        async with StreamClient(url) as client:
+            with pytest.raises(StreamError, match="token"):
+                await client.lease()
+        async with StreamClient(url, token="s3cret") as client:
+            assert await client.lease() is None
+
+
+async def test_unreachable_worker_is_a_stream_error(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with StreamClient(f"http://127.0.0.1:{port}", timeout=2) as client:
+        with pytest.raises(StreamError, match="check that the worker is running"):
+            await client.lease()
+
+
+# -- kill -9 of a real worker process --------------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from agentroll.bench_stream import synthetic_trajectory
+    from agentroll.buffer import BufferConfig
+    from agentroll.stream import StreamConfig, TrajectoryStream, serve_stream
+
+    async def main(path, port, first, count, ttl):
+        cfg = StreamConfig(buffer=BufferConfig(capacity=1000, max_staleness=None, lease_ttl=ttl))
+        async with TrajectoryStream(path, cfg) as stream, serve_stream(stream, port=port):
+            for i in range(first, first + count):
+                await stream.publish([synthetic_trajectory(i, 64, turns=2, prefix="t")])
+            print("ready", flush=True)
+            await asyncio.Event().wait()
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                     float(sys.argv[5])))
+    """
+)
+
+
+def start_worker(
+    path: Path, port: int, first: int, count: int, ttl: float
+) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(path), str(port), str(first), str(count), str(ttl)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # published and durable when it says so
+    assert line.strip() == "ready", f"worker failed to start (exit {proc.poll()})"
+    return proc
+
+
+@pytest.mark.slow
+async def test_worker_kill9_then_restart_delivers_everything_exactly_once(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    spool, seen = tmp_path / "spool", tmp_path / "seen.jsonl"
+    all_ids = [f"t-{i:08d}" for i in range(80)]
+    yielded: list[str] = []
+    worker_a = await asyncio.to_thread(start_worker, spool, port, 0, 60, 3600.0)
+    try:
+        consumer = StreamClient(url, seen_path=seen)
+        batches = consumer.batches(max=10, wait=5, prefetch=False)
+        for k in range(3):
+            batch = await anext(batches)
+            yielded += [t.id for t in batch]
+            if k < 2:
+                await consumer.ack(t.id for t in batch)  # 0..19 acked, 20..29 in flight
+    finally:
+        worker_a.send_signal(signal.SIGKILL)
+        worker_a.wait()
+    assert yielded == all_ids[:30]
+    # restarted on the same dir (and port); publishes 20 more; short ttl for the next step
+    worker_b = await asyncio.to_thread(start_worker, spool, port, 60, 20, 1.0)
+    try:
+        async with asyncio.timeout(60):
+            while len(yielded) < 80:  # the same consumer goes on: 20..29 are not yielded again
+                batch = await anext(batches)
+                yielded += [t.id for t in batch]
+                await consumer.ack(t.id for t in batch if t.id < "t-00000070")
+            assert sorted(yielded) == all_ids and len(set(yielded)) == 80
+            await consumer.ack(all_ids[20:30])  # done with the batch that was in flight
+            await batches.aclose()
+            await consumer.aclose()  # the trainer dies holding 70..79 unacknowledged
+            async with StreamClient(url, seen_path=seen) as restarted:
+                again: list[str] = []
+                async for batch in restarted.batches(max=10, wait=5, auto_ack=True):
+                    again += [t.id for t in batch]
+                    if len(again) >= 10:
+                        break
+                assert sorted(again) == all_ids[70:]  # exactly what it had not acknowledged
+                await restarted.ack(again)
+                status = await restarted.status()
+            assert status["spool"]["records"] == 0
+    finally:
+        worker_b.send_signal(signal.SIGKILL)
+        worker_b.wait()

@@ -1,0 +1,247 @@
+"""The durable spool: nothing flushed is lost, nothing acknowledged comes back, torn tails
+are detected and dropped, fully acknowledged segments and old acks are reclaimed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agentroll.errors import ConfigError
+from agentroll.stream.spool import ACK_LOG, Spool, SpoolConfig, encode_record
+from agentroll.types import Trajectory, decode_msgpack, encode_msgpack
+
+
+def traj(i: int, tokens: int = 64, group: str = "g") -> Trajectory:
+    rng = np.random.default_rng(i)
+    return Trajectory(
+        id=f"t{i:05d}",
+        task_id=f"task{i}",
+        group_id=group,
+        token_ids=rng.integers(0, 32000, tokens),
+        logprobs=np.where(np.arange(tokens) % 3 == 0, np.nan, -rng.random(tokens)),
+        loss_mask=np.arange(tokens) % 3 != 0,
+        policy_version=np.full(tokens, 3),
+        kv_version=np.full(tokens, 2),
+        reward=float(i),
+    )
+
+
+def segments(path: Path) -> list[Path]:
+    return sorted(path.glob("*.seg"))
+
+
+def ids(spool: Spool) -> list[str]:
+    return [r.id for r in spool.pending()]
+
+
+def test_flushed_records_survive_reopen_bit_exact(tmp_path: Path) -> None:
+    originals = [traj(i) for i in range(20)]
+    with Spool(tmp_path) as spool:
+        for t in originals:
+            spool.append(t)
+        spool.flush()
+    with Spool(tmp_path) as spool:
+        records = list(spool.pending())
+    assert [r.id for r in records] == [t.id for t in originals]
+    for record, t in zip(records, originals, strict=True):
+        assert record.data == encode_msgpack(t)
+        back = decode_msgpack(record.data, Trajectory)
+        np.testing.assert_array_equal(back.logprobs, t.logprobs)  # NaN included
+        np.testing.assert_array_equal(back.token_ids, t.token_ids)
+
+
+def test_acked_records_never_come_back_and_segments_are_deleted(tmp_path: Path) -> None:
+    config = SpoolConfig(segment_bytes=4096)  # ~ 4 records per segment
+    with Spool(tmp_path, config) as spool:
+        for i in range(40):
+            spool.append(traj(i))
+        spool.flush()
+        before = len(segments(tmp_path))
+        assert before >= 8
+        assert spool.ack([f"t{i:05d}" for i in range(30)] + ["unknown"]) == 30
+        assert spool.ack(["t00001"]) == 0  # already acknowledged
+        after = len(segments(tmp_path))
+        assert after <= before - 6
+        assert ids(spool) == [f"t{i:05d}" for i in range(30, 40)]
+        stats = spool.statistics()
+        assert (stats.records, stats.acked, stats.appended) == (10, 30, 40)
+    with Spool(tmp_path, config) as spool:
+        assert ids(spool) == [f"t{i:05d}" for i in range(30, 40)]
+        spool.ack(ids(spool))
+    with Spool(tmp_path, config) as spool:
+        assert ids(spool) == []
+    assert segments(tmp_path) == []
+
+
+def test_pending_skips_unflushed_and_sync_every_flushes(tmp_path: Path) -> None:
+    with Spool(tmp_path, SpoolConfig(sync_every=3)) as spool:
+        spool.append(traj(0))
+        spool.append(traj(1))
+        assert ids(spool) == []  # not durable yet
+        fsyncs = spool.statistics().fsyncs
+        spool.append(traj(2))
+        assert spool.statistics().fsyncs == fsyncs + 1
+        assert ids(spool) == ["t00000", "t00001", "t00002"]
+
+
+def test_torn_tail_is_truncated_counted_and_appending_continues(tmp_path: Path) -> None:
+    with Spool(tmp_path) as spool:
+        for i in range(5):
+            spool.append(traj(i))
+        spool.flush()
+    (seg,) = segments(tmp_path)
+    good_size = seg.stat().st_size
+    torn = encode_record("t00099", encode_msgpack(traj(99)))[:-7]  # a write cut short
+    with open(seg, "ab") as f:
+        f.write(torn)
+    with Spool(tmp_path) as spool:
+        assert spool.statistics().torn_bytes_dropped == len(torn)
+        assert seg.stat().st_size == good_size
+        assert ids(spool) == [f"t{i:05d}" for i in range(5)]
+        spool.append(traj(5))
+        spool.flush()
+    with Spool(tmp_path) as spool:
+        assert ids(spool) == [f"t{i:05d}" for i in range(6)]
+        assert spool.statistics().torn_bytes_dropped == 0
+
+
+@pytest.mark.parametrize("where", ["payload", "magic", "header"])
+def test_corrupt_last_record_is_dropped(tmp_path: Path, where: str) -> None:
+    with Spool(tmp_path) as spool:
+        for i in range(3):
+            spool.append(traj(i))
+        spool.flush()
+    (seg,) = segments(tmp_path)
+    last = len(encode_record("t00002", encode_msgpack(traj(2))))
+    size = seg.stat().st_size
+    pos = {"payload": size - 10, "magic": size - last, "header": size - last + 5}[where]
+    data = bytearray(seg.read_bytes())
+    data[pos] ^= 0x40
+    seg.write_bytes(bytes(data))
+    with Spool(tmp_path) as spool:
+        assert ids(spool) == ["t00000", "t00001"]
+        assert spool.statistics().torn_bytes_dropped == last
+
+
+def test_torn_ack_log_keeps_intact_acks(tmp_path: Path) -> None:
+    with Spool(tmp_path) as spool:
+        for i in range(4):
+            spool.append(traj(i))
+        spool.flush()
+        spool.ack(["t00000"])
+        first = (tmp_path / ACK_LOG).stat().st_size
+        spool.ack(["t00001"])
+    ack_log = tmp_path / ACK_LOG
+    size = ack_log.stat().st_size
+    ack_log.write_bytes(ack_log.read_bytes()[:-3])  # the second ack frame is torn
+    with Spool(tmp_path) as spool:
+        assert ids(spool) == ["t00001", "t00002", "t00003"]
+        assert spool.statistics().torn_bytes_dropped == size - 3 - first
+        assert ack_log.stat().st_size == first
+
+
+def test_ack_log_is_compacted_and_stays_correct(tmp_path: Path) -> None:
+    config = SpoolConfig(segment_bytes=4096, compact_ack_log_bytes=1024)
+    with Spool(tmp_path, config) as spool:
+        for i in range(300):
+            spool.append(traj(i, tokens=4))
+        spool.flush()
+        for i in range(299):  # one ack frame each; acks of deleted segments are not kept
+            spool.ack([f"t{i:05d}"])
+        stats = spool.statistics()
+        assert stats.ack_log_compactions >= 1
+        assert stats.ack_log_bytes <= 1024
+        assert (tmp_path / ACK_LOG).stat().st_size == stats.ack_log_bytes
+    with Spool(tmp_path, config) as spool:
+        assert ids(spool) == ["t00299"]
+
+
+def test_duplicate_id_and_second_opener_are_refused(tmp_path: Path) -> None:
+    with Spool(tmp_path) as spool:
+        spool.append(traj(0))
+        with pytest.raises(ValueError, match="already in the spool"):
+            spool.append(traj(0))
+        with pytest.raises(ConfigError, match="in use by another process"):
+            Spool(tmp_path)
+    with Spool(tmp_path) as spool:  # released on close
+        assert ids(spool) == ["t00000"]
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="segment_bytes"):
+        SpoolConfig(segment_bytes=10)
+    with pytest.raises(ConfigError, match="sync_every"):
+        SpoolConfig(sync_every=-1)
+
+
+# -- model-based: random appends, flushes, acks and crashes that cut unflushed bytes ------
+
+_op = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 4)),
+    st.tuples(st.just("flush"), st.just(0)),
+    st.tuples(st.just("ack"), st.integers(0, 10_000)),
+    st.tuples(st.just("crash"), st.integers(0, 10_000)),
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=st.lists(_op, max_size=40))
+def test_random_crashes_lose_nothing_durable(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]]
+) -> None:
+    path = tmp_path_factory.mktemp("spool")
+    config = SpoolConfig(segment_bytes=4096)
+    spool = Spool(path, config)
+    appended: list[str] = []  # append order
+    durable: set[str] = set()
+    acked: set[str] = set()
+    flushed_sizes: dict[str, int] = {}
+    n = 0
+    try:
+        for op, arg in ops:
+            if op == "append":
+                for _ in range(arg):
+                    spool.append(traj(n, tokens=8))
+                    appended.append(f"t{n:05d}")
+                    n += 1
+            elif op == "flush":
+                spool.flush()
+                durable.update(appended)
+                flushed_sizes = {p.name: p.stat().st_size for p in segments(path)}
+            elif op == "ack":
+                live = [i for i in appended if i not in acked]
+                if live:
+                    chosen = live[arg % len(live)]
+                    spool.ack([chosen])
+                    acked.add(chosen)
+            else:
+                spool.close()
+                segs = segments(path)
+                if segs:  # lose a random part of what was not flushed in the newest segment
+                    newest = segs[-1]
+                    low = flushed_sizes.get(newest.name, 0)
+                    size = newest.stat().st_size
+                    if size > low:
+                        os.truncate(newest, low + arg % (size - low + 1))
+                spool = Spool(path, config)
+                survivors = ids(spool)
+                # survivors: every durable unacked record, in append order, never an acked one
+                assert durable - acked <= set(survivors)
+                assert not set(survivors) & acked
+                order = {rid: k for k, rid in enumerate(appended)}
+                assert survivors == sorted(survivors, key=order.__getitem__)
+                # what the crash lost was never durable: forget it
+                appended = [i for i in appended if i in set(survivors) or i in acked]
+                durable = set(survivors) | (durable & acked)
+                flushed_sizes = {p.name: p.stat().st_size for p in segments(path)}
+        spool.flush()
+        assert ids(spool) == [i for i in appended if i not in acked]
+    finally:
+        spool.close()

@@ -1,0 +1,81 @@
+"""Recipes: validation names the field, the dump round-trips, run directories record a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentroll.errors import ConfigError
+from agentroll.recipe import Recipe, create_run_dir, dump_recipe, load_recipe, parse_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_round_trip() -> None:
+    recipe = parse_recipe('[sync]\nstrategy = "pause"\n[buffer]\nmax_staleness = 0\n')
+    assert recipe.sync.strategy == "pause" and recipe.buffer.max_staleness == 0
+    assert recipe.trainer == Recipe().trainer
+    assert parse_recipe(dump_recipe(recipe)) == recipe
+
+
+def test_unbounded_staleness_round_trips() -> None:
+    recipe = parse_recipe('[buffer]\nmax_staleness = "none"\n')
+    assert recipe.buffer.max_staleness is None
+    assert parse_recipe(dump_recipe(recipe)) == recipe
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('[sync]\nstrategy = "sometimes"', "sync.strategy"),
+        ("[sync]\nstrateg = 1", "strateg"),
+        ("[trainer]\nbatch_size = 6", "trainer.batch_size"),
+        ("[run]\nsteps = 0", "run.steps"),
+        ("[sampling]\ntop_p = 1.5", "sampling.top_p"),
+        ("[warmup]\nsteps = 3", "warmup.expert"),
+        ("[buffer]\nmax_staleness = -1", "buffer.max_staleness"),
+        ("[nonsense]\nx = 1", "nonsense"),
+        ('[backend]\nreplicas = "two"', "backend.replicas"),
+    ],
+)
+def test_errors_name_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_recipe(text, source="r.toml")
+    assert field in str(info.value) and str(info.value).startswith("r.toml: ")
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_recipe("x = ")
+    with pytest.raises(ConfigError, match="cannot read recipe"):
+        load_recipe(tmp_path / "absent.toml")
+
+
+def test_relative_paths_resolve_against_the_recipe(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "r.toml"
+    path.write_text(
+        '[run]\nout_dir = "out"\n[environment]\nkwargs = { traces = "../t.jsonl", seed = 3 }\n'
+    )
+    recipe = load_recipe(path)
+    assert recipe.run.out_dir == str(tmp_path / "sub" / "out")
+    assert recipe.environment.kwargs == {"traces": str(tmp_path / "t.jsonl"), "seed": 3}
+
+
+def test_demo_recipe_is_valid() -> None:
+    recipe = load_recipe(REPO / "examples" / "recipes" / "demo.toml")
+    assert recipe.backend.replicas == 2 and recipe.sync.policy == "keep"
+    assert recipe.buffer.max_staleness == 1 and recipe.sync.encoding == "delta"
+    assert Path(recipe.environment.kwargs["traces"]).is_file()
+
+
+def test_run_dir_records_the_run(tmp_path: Path) -> None:
+    recipe = parse_recipe("[run]\nseed = 5\n")
+    out = create_run_dir(recipe, run_dir=tmp_path / "run")
+    assert parse_recipe((out / "recipe.toml").read_text()) == recipe
+    assert json.loads((out / "seeds.json").read_text())["run"] == 5
+    assert "torch" in json.loads((out / "versions.json").read_text())
+    with pytest.raises(ConfigError, match="already holds a run"):
+        create_run_dir(recipe, run_dir=out)

@@ -1,0 +1,140 @@
+"""The recipe worker: served groups within the staleness bound, syncs mid-generation with
+``keep`` (nothing restarted), and a stop/start that loses and repeats nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentroll.metrics import read_trace
+from agentroll.recipe import Recipe, parse_recipe
+from agentroll.service import RolloutService, cycle_tasks
+from agentroll.stream.client import StreamClient
+from agentroll.testing import SyntheticTrainer
+from agentroll.types import Task, Trajectory
+
+RECIPE = """
+[run]
+seed = 3
+[environment]
+name = "calculator"
+kwargs = { num_tasks = 32, max_operand = 20 }
+[backend]
+replicas = 2
+kv_cache_mb = 16
+max_num_seqs = 16
+prefill_budget = 256
+[sampling]
+max_tokens = 24
+[rollout]
+concurrency = 8
+samples_per_task = 2
+[buffer]
+max_staleness = 1
+capacity = 64
+[trainer]
+batch_size = 8
+"""
+
+
+def test_cycle_tasks_repeats_each_epoch_in_a_new_order() -> None:
+    tasks = [Task(id=str(i)) for i in range(10)]
+    it = cycle_tasks(tasks, seed=1)
+    first = [next(it).id for _ in range(10)]
+    second = [next(it).id for _ in range(10)]
+    assert sorted(first) == sorted(second) == sorted(t.id for t in tasks)
+    assert first != second
+
+
+async def _serve(recipe: Recipe, model: Path, run_dir: Path) -> tuple[Any, asyncio.Event, str]:
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    service = RolloutService(recipe, model_dir=model, run_dir=run_dir)
+    task = asyncio.create_task(service.serve(stop, ready=ready.set_result))
+    url = await asyncio.wait_for(asyncio.shield(ready), 60)
+    return task, stop, url
+
+
+@pytest.mark.slow
+async def test_serve_sync_stop_and_continue(tiny_model: Path, tmp_path: Path) -> None:
+    recipe = parse_recipe(RECIPE)
+    trainer = SyntheticTrainer(tiny_model, fraction=0.01, seed=0)
+    seen: dict[str, Trajectory] = {}
+
+    task, stop, url = await _serve(recipe, tiny_model, tmp_path)
+    async with StreamClient(url) as client:
+        for _ in range(3):
+            batch = await client.lease(8, wait=30, trainer_version=trainer.version)
+            assert batch is not None and len(batch.trajectories) % 2 == 0
+            for t in batch.trajectories:
+                assert t.id not in seen
+                # the bound: trainer version - oldest sampled token's version <= 1
+                assert trainer.version - t.min_policy_version() <= 1
+                seen[t.id] = t
+            await client.ack(t.id for t in batch.trajectories)
+            await client.push_weights(trainer.step())
+        # one more lease, left unacknowledged: it must come back after the restart
+        held = await client.lease(8, wait=30, trainer_version=trainer.version)
+        assert held is not None
+    stop.set()
+    summary = await asyncio.wait_for(task, 60)
+    assert summary["syncs"] == 3
+    assert summary["checkpointed"] >= 0
+
+    trace = read_trace(tmp_path)
+    syncs = trace.syncs
+    assert [s.version for s in syncs] == [1, 2, 3]
+    assert all(s.episodes_restarted == 0 for s in syncs)
+    assert any(s.mid_generation > 0 for s in syncs)  # episodes were generating at a sync
+    new_tokens = [t for t in seen.values() if t.policy_version.max() >= 1]
+    assert new_tokens, "no trajectory sampled tokens with the pushed weights"
+
+    # Restart on the same run directory: the unacknowledged lease and the checkpointed
+    # episodes come back; nothing already acknowledged is offered again.
+    held_ids = {t.id for t in held.trajectories}
+    task, stop, url = await _serve(recipe, tiny_model, tmp_path)
+    got: set[str] = set()
+    async with StreamClient(url) as client:
+        while not held_ids <= got:
+            batch = await client.lease(16, wait=30, trainer_version=trainer.version)
+            assert batch is not None
+            ids = {t.id for t in batch.trajectories}
+            assert not ids & set(seen), "an acknowledged trajectory was offered again"
+            got |= ids
+            await client.ack(ids)
+    stop.set()
+    await asyncio.wait_for(task, 60)
+
+
+@pytest.mark.slow
+async def test_on_policy_mode_never_hands_out_or_drops_stale_data(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """max_staleness = 0: generation waits for each new version (fully synchronous)."""
+    recipe = parse_recipe(RECIPE.replace("max_staleness = 1", "max_staleness = 0"))
+    trainer = SyntheticTrainer(tiny_model, fraction=0.01, seed=1)
+    task, stop, url = await _serve(recipe, tiny_model, tmp_path)
+    try:
+        async with StreamClient(url) as client:
+            for _ in range(3):
+                got: list[Trajectory] = []
+                while len(got) < 8:
+                    batch = await client.lease(
+                        8 - len(got), wait=30, trainer_version=trainer.version
+                    )
+                    assert batch is not None
+                    got += batch.trajectories
+                # every sampled token of every trajectory came from the trainer's version
+                for t in got:
+                    sampled = t.policy_version[t.loss_mask.astype(bool)]
+                    assert set(sampled.tolist()) == {trainer.version}
+                await client.ack(t.id for t in got)
+                await client.push_weights(trainer.step())
+            status = await client.status()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    assert status["stream"]["dropped_stale"] == 0
