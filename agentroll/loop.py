@@ -91,7 +91,11 @@ async def demonstrations(recipe: Recipe, model_dir: Path) -> list[Trajectory]:
     config = RolloutConfig(concurrency=16, progress="auto", seed=recipe.run.seed)
     async with RolloutEngine(backend, env, config, tokenizer=tok) as engine:
         demos = [t async for t in engine.run()]
-    good = [t for t in demos if t.status == "ok" and t.reward > 0]
+    # completion order depends on timing: sort, so the warm-up sees the same batches each run
+    good = sorted(
+        (t for t in demos if t.status == "ok" and t.reward > 0),
+        key=lambda t: (t.task_id, t.sample_index),
+    )
     if not good:
         raise ConfigError(
             f"warmup.expert {recipe.warmup.expert!r} solved none of {len(demos)} tasks; "
@@ -336,7 +340,7 @@ async def run_recipe_async(
         if code != 0:
             logger.warning("the rollout worker exited with %d; see %s", code, worker.log_path)
     metrics.counter("lost", lost_count(status))
-    metrics.event("run", event="end", worker_status=status)
+    metrics.event("run", event="end", worker_status=status, worker_exit_code=code)
     metrics.close()
     return out
 

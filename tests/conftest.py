@@ -105,3 +105,23 @@ async def make_replicas(request: pytest.FixtureRequest) -> AsyncIterator[MakeRep
             failures.append(f"{replica.name}: {type(exc).__name__}: {exc}")
     if failures:
         pytest.fail("closing replicas failed: " + "; ".join(failures))
+
+
+@pytest.fixture(scope="session")
+def small_fleet_toml() -> str:
+    """Recipe sections of a small, fast rollout setup (two tiny-engine replicas, groups of
+    two, batches of eight) for tests to combine with their own [run] / [environment]."""
+    return """
+[backend]
+replicas = 2
+kv_cache_mb = 16
+max_num_seqs = 16
+prefill_budget = 256
+[sampling]
+max_tokens = 24
+[rollout]
+concurrency = 8
+samples_per_task = 2
+[trainer]
+batch_size = 8
+"""

@@ -18,23 +18,13 @@ RECIPE = """
 [environment]
 name = "calculator"
 kwargs = { num_tasks = 32, max_operand = 9 }
-[backend]
-replicas = 2
-kv_cache_mb = 16
-max_num_seqs = 16
-prefill_budget = 256
-[sampling]
-max_tokens = 24
-[rollout]
-concurrency = 8
-samples_per_task = 2
-[trainer]
-batch_size = 8
 """
 
 
 @pytest.mark.slow
-async def test_external_trainer_trains_from_the_stream(tiny_model: Path, tmp_path: Path) -> None:
+async def test_external_trainer_trains_from_the_stream(
+    tiny_model: Path, tmp_path: Path, small_fleet_toml: str
+) -> None:
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("ext", REPO / "examples" / "external_trainer.py")
     assert spec is not None and spec.loader is not None
@@ -43,7 +33,9 @@ async def test_external_trainer_trains_from_the_stream(tiny_model: Path, tmp_pat
 
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    service = RolloutService(parse_recipe(RECIPE), model_dir=tiny_model, run_dir=tmp_path)
+    service = RolloutService(
+        parse_recipe(RECIPE + small_fleet_toml), model_dir=tiny_model, run_dir=tmp_path
+    )
     task = asyncio.create_task(service.serve(stop, ready=ready.set_result))
     try:
         url = await asyncio.wait_for(asyncio.shield(ready), 60)

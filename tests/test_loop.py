@@ -25,27 +25,15 @@ steps = 2
 expert = "agentroll.environments.calculator:demonstration"
 tasks = 16
 batch_size = 8
-[backend]
-replicas = 2
-kv_cache_mb = 16
-max_num_seqs = 16
-prefill_budget = 256
-[sampling]
-max_tokens = 24
-[rollout]
-concurrency = 8
-samples_per_task = 2
-[trainer]
-batch_size = 8
 """
 
 
 @pytest.mark.slow
 def test_run_writes_a_complete_run_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], small_fleet_toml: str
 ) -> None:
     recipe = tmp_path / "r.toml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(RECIPE + small_fleet_toml)
     run_dir = tmp_path / "run"
     assert main(["run", str(recipe), "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
@@ -64,5 +52,10 @@ def test_run_writes_a_complete_run_directory(
     # the worker took every pushed version
     syncs = [json.loads(x) for x in (run_dir / "worker.jsonl").read_text().splitlines()]
     assert [s["version"] for s in syncs if s["kind"] == "sync"] == [1, 2, 3]
+    # the worker stopped on SIGTERM cleanly, after checkpointing what was in flight
+    runs = [json.loads(x) for x in (run_dir / "run.jsonl").read_text().splitlines()]
+    end = next(r for r in runs if r["kind"] == "run" and r["event"] == "end")
+    assert end["worker_exit_code"] == 0
+    assert "checkpointed" in (run_dir / "worker.log").read_text()
     # `agentroll report` reads the same directory again
     assert main(["report", str(run_dir)]) == 0

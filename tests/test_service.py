@@ -16,27 +16,15 @@ from agentroll.stream.client import StreamClient
 from agentroll.testing import SyntheticTrainer
 from agentroll.types import Task, Trajectory
 
-RECIPE = """
+HEAD = """
 [run]
 seed = 3
 [environment]
 name = "calculator"
 kwargs = { num_tasks = 32, max_operand = 20 }
-[backend]
-replicas = 2
-kv_cache_mb = 16
-max_num_seqs = 16
-prefill_budget = 256
-[sampling]
-max_tokens = 24
-[rollout]
-concurrency = 8
-samples_per_task = 2
 [buffer]
 max_staleness = 1
 capacity = 64
-[trainer]
-batch_size = 8
 """
 
 
@@ -59,8 +47,10 @@ async def _serve(recipe: Recipe, model: Path, run_dir: Path) -> tuple[Any, async
 
 
 @pytest.mark.slow
-async def test_serve_sync_stop_and_continue(tiny_model: Path, tmp_path: Path) -> None:
-    recipe = parse_recipe(RECIPE)
+async def test_serve_sync_stop_and_continue(
+    tiny_model: Path, tmp_path: Path, small_fleet_toml: str
+) -> None:
+    recipe = parse_recipe(HEAD + small_fleet_toml)
     trainer = SyntheticTrainer(tiny_model, fraction=0.01, seed=0)
     seen: dict[str, Trajectory] = {}
 
@@ -111,10 +101,10 @@ async def test_serve_sync_stop_and_continue(tiny_model: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 async def test_on_policy_mode_never_hands_out_or_drops_stale_data(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, small_fleet_toml: str
 ) -> None:
     """max_staleness = 0: generation waits for each new version (fully synchronous)."""
-    recipe = parse_recipe(RECIPE.replace("max_staleness = 1", "max_staleness = 0"))
+    recipe = parse_recipe(HEAD.replace("max_staleness = 1", "max_staleness = 0") + small_fleet_toml)
     trainer = SyntheticTrainer(tiny_model, fraction=0.01, seed=1)
     task, stop, url = await _serve(recipe, tiny_model, tmp_path)
     try:

@@ -16,7 +16,6 @@ import contextlib
 import hmac
 import logging
 import math
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -616,50 +615,11 @@ async def serve_stream(
     base URL (``port=0`` picks a free port).  A non-loopback ``host`` without a ``token``
     raises ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish
     (up to 5 s) and the server task is awaited, also when the block is cancelled."""
-    from agentroll.weights.http import _EmbeddedServer, _is_loopback
-
-    if token is None and not _is_loopback(host):
-        raise ConfigError(
-            f"serving trajectories on {host!r} needs a token (token=...), or bind 127.0.0.1"
-        )
-    import uvicorn
+    from agentroll.weights.http import serve_app
 
     stop = asyncio.Event()
-    sock = socket.create_server((host, port))
-    # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and
-    # create_server's is 0: with Nagle on, every small reply (an ack) waited ~40 ms for the
-    # client's delayed ACK.  Accepted connections inherit the option from the listener.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        bound_port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            stream_app(stream, token=token, stop=stop),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-        )
-        server = _EmbeddedServer(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]), name="agentroll-stream-server")
-        try:
-            ready = asyncio.ensure_future(server.ready.wait())
-            try:
-                await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                ready.cancel()
-            if task.done():
-                task.result()
-                raise RuntimeError("the stream server exited during startup")
-            url_host = f"[{host}]" if ":" in host else host
-            yield f"http://{url_host}:{bound_port}"
-        finally:
-            stop.set()
-            server.should_exit = True
-            try:
-                await asyncio.shield(task)
-            finally:
-                if not task.done():
-                    task.cancel()
-                    await asyncio.wait({task})
-    finally:
-        sock.close()
+    app = stream_app(stream, token=token, stop=stop)
+    async with serve_app(
+        app, host=host, port=port, token=token, what="trajectories", on_exit=stop.set
+    ) as url:
+        yield url

@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -102,33 +103,35 @@ def _is_loopback(host: str) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def serve_weights(
-    on_update: OnUpdate,
+async def serve_app(
+    app: Any,
     *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    token: str | None = None,
-    path: str = "/weights",
+    host: str,
+    port: int,
+    token: str | None,
+    what: str,
+    on_exit: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
-    """Run ``weights_app`` under uvicorn for the duration of the block; yields the endpoint URL
+    """Run the ASGI ``app`` under uvicorn for the duration of the block; yields the base URL
     (``port=0`` picks a free port).  A non-loopback ``host`` requires a ``token``
-    (``ConfigError`` otherwise).  The server task is owned by this context: on exit it stops
-    accepting, finishes in-flight requests (up to 5 s) and is awaited; if the block is
-    cancelled during shutdown, the server task is cancelled and awaited too."""
+    (``ConfigError`` naming ``what`` otherwise).  The server task is owned by this context:
+    on exit ``on_exit`` runs (e.g. to end long-polls), the server stops accepting, finishes
+    in-flight requests (up to 5 s) and is awaited; if the block is cancelled during
+    shutdown, the server task is cancelled and awaited too."""
     if token is None and not _is_loopback(host):
-        raise ConfigError(f"serving weights on {host!r} needs a token (or bind 127.0.0.1)")
+        raise ConfigError(f"serving {what} on {host!r} needs a token (or bind 127.0.0.1)")
     sock = socket.create_server((host, port))
+    # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and
+    # create_server's is 0: with Nagle on, every small reply waited ~40 ms for the client's
+    # delayed ACK.  Accepted connections inherit the option from the listener.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         bound_port = sock.getsockname()[1]
         config = uvicorn.Config(
-            weights_app(on_update, token=token, path=path),
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5
         )
         server = _EmbeddedServer(config)
-        task = asyncio.create_task(server.serve(sockets=[sock]), name="agentroll-weights-server")
+        task = asyncio.create_task(server.serve(sockets=[sock]), name=f"agentroll-{what}-server")
         try:
             ready = asyncio.ensure_future(server.ready.wait())
             try:
@@ -137,10 +140,12 @@ async def serve_weights(
                 ready.cancel()
             if task.done():
                 task.result()  # raises the startup error if there is one
-                raise RuntimeError("the weights server exited during startup")
+                raise RuntimeError(f"the {what} server exited during startup")
             url_host = f"[{host}]" if ":" in host else host
-            yield f"http://{url_host}:{bound_port}{path}"
+            yield f"http://{url_host}:{bound_port}"
         finally:
+            if on_exit is not None:
+                on_exit()
             server.should_exit = True
             try:
                 await asyncio.shield(task)
@@ -150,6 +155,22 @@ async def serve_weights(
                     await asyncio.wait({task})
     finally:
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_weights(
+    on_update: OnUpdate,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    path: str = "/weights",
+) -> AsyncIterator[str]:
+    """Run ``weights_app`` under uvicorn for the duration of the block (``serve_app``);
+    yields the endpoint URL."""
+    app = weights_app(on_update, token=token, path=path)
+    async with serve_app(app, host=host, port=port, token=token, what="weights") as url:
+        yield f"{url}{path}"
 
 
 class HttpTransport(WeightSender):

@@ -80,6 +80,19 @@ def weights(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.params.items()}
 
 
+def record_grads(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    """A dict that the trainer's next optimizer step fills with the gradients it applies."""
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def record():  # type: ignore[no-untyped-def]
+        grads.update({n: p.grad.clone() for n, p in trainer.params.items()})
+        return step()
+
+    trainer.optimizer.step = record  # type: ignore[method-assign]
+    return grads
+
+
 def seq_logprob(trainer: GRPOTrainer, batch: Batch, row: int) -> float:
     return float(trainer.logprobs(batch)[row][batch.loss_mask[row]].sum())
 
@@ -264,14 +277,7 @@ def test_micro_batching_does_not_change_the_step(
         )
         exact = trainer.logprobs(batch)
         batch.behaviour_logprobs = torch.where(batch.loss_mask, exact - 0.1, 0.0)
-        grads: dict[str, torch.Tensor] = {}
-        step = trainer.optimizer.step
-
-        def record(step=step, grads=grads, trainer=trainer):  # type: ignore[no-untyped-def]
-            grads.update({n: p.grad.clone() for n, p in trainer.params.items()})
-            return step()
-
-        trainer.optimizer.step = record  # type: ignore[method-assign]
+        grads = record_grads(trainer)
         results.append((trainer.step(batch), grads))
     (a, ga), (b, gb) = results
     assert abs(a.loss) > 0.1
@@ -479,14 +485,7 @@ def test_shared_prefix_is_computed_once_with_the_same_result(tiny_model: Path) -
         trainer = GRPOTrainer(tiny_model, GRPOConfig(micro_batch_tokens=budget, lr=1e-3))
         exact = trainer.logprobs(batch)
         batch.behaviour_logprobs = torch.where(batch.loss_mask, exact - 0.1, 0.0)
-        grads: dict[str, torch.Tensor] = {}
-        step = trainer.optimizer.step
-
-        def record(step=step, grads=grads, trainer=trainer):  # type: ignore[no-untyped-def]
-            grads.update({n: p.grad.clone() for n, p in trainer.params.items()})
-            return step()
-
-        trainer.optimizer.step = record  # type: ignore[method-assign]
+        grads = record_grads(trainer)
         results.append((exact, trainer.step(batch), grads))
     (la, sa, ga), (lb, sb, gb) = results
     assert torch.allclose(la, lb, atol=1e-5)
