@@ -40,7 +40,8 @@ PLOT_NAMES = ("reward.png", "timeline.png", "staleness.png")
 
 
 class ComponentTime(msgspec.Struct, kw_only=True):
-    """Busy/idle seconds of one component's phase and their share of the run's wall time."""
+    """Busy/idle seconds of one component's phase and their share of its lifetime (from its
+    first span to its last, within the run)."""
 
     phase: str  # "rollout" or "trainer"
     busy_seconds: float
@@ -282,12 +283,16 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
     for phase in ("rollout", "trainer"):
         names = {s.component for s in trace.spans if s.name.startswith(phase + ".")}
         for comp in sorted(names):
+            mine = [
+                s for s in trace.spans if s.component == comp and s.name.startswith(phase + ".")
+            ]
+            # a component's shares are of its own lifetime (first to last span): a worker
+            # that starts after a warm-up is not "idle" during the warm-up
+            c_lo = max(lo, min(s.start for s in mine))
+            c_hi = min(hi, max(s.end for s in mine))
+            life = max(0.0, c_hi - c_lo)
             busy, idle = (
-                _union_seconds(
-                    (s for s in trace.spans if s.component == comp and s.name == f"{phase}.{st}"),
-                    lo,
-                    hi,
-                )
+                _union_seconds((s for s in mine if s.name == f"{phase}.{st}"), c_lo, c_hi)
                 for st in ("busy", "idle")
             )
             key = comp if comp not in components else f"{comp}/{phase}"
@@ -295,8 +300,8 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
                 phase=phase,
                 busy_seconds=busy,
                 idle_seconds=idle,
-                busy_fraction=busy / duration if duration > 0 else None,
-                idle_fraction=idle / duration if duration > 0 else None,
+                busy_fraction=busy / life if life > 0 else None,
+                idle_fraction=idle / life if life > 0 else None,
             )
 
     def phase_mean(phase: str, attr: str) -> float | None:

@@ -182,6 +182,21 @@ def test_overlapping_spans_count_once_and_clip_to_run(tmp_path: Path) -> None:
     assert report.trainer_idle_fraction is None
 
 
+def test_shares_are_of_each_component_lifetime(tmp_path: Path) -> None:
+    """A rollout worker that starts after a 50 s warm-up is not idle during the warm-up."""
+    with MetricsWriter(tmp_path, "trainer", clock=lambda: T0) as w:
+        w.event("run", t=T0, event="start")
+        w.span_at("trainer.busy", T0, T0 + 90)
+        w.span_at("trainer.idle", T0 + 90, T0 + 100)
+        w.event("run", t=T0 + 100, event="end")
+    with MetricsWriter(tmp_path, "worker", clock=lambda: T0) as w:
+        w.span_at("rollout.busy", T0 + 50, T0 + 90)
+        w.span_at("rollout.idle", T0 + 90, T0 + 100)
+    report = build_report(tmp_path)
+    assert report.rollout_idle_fraction == pytest.approx(0.2)  # 10 s of its 50 s
+    assert report.trainer_idle_fraction == pytest.approx(0.1)
+
+
 def test_torn_last_line_does_not_change_the_figures(tmp_path: Path) -> None:
     run = make_run(tmp_path)
     before = build_report(run)
