@@ -219,6 +219,7 @@ async def train(
         kv_lag=t.kv_lag,
         kv_lag_weight=t.kv_lag_weight,
         max_grad_norm=t.max_grad_norm,
+        entropy_coef=t.entropy_coef,
         temperature=recipe.sampling.temperature,
         export=recipe.sync.encoding,
         seed=recipe.run.seed,
@@ -255,6 +256,7 @@ async def train(
                     kv_lagged_tokens=stats.kv_lagged_tokens,
                     seconds=stats.seconds,
                     failed=sum(x.status == "failed" for x in pending),
+                    entropy=stats.extra.get("entropy", 0.0),
                 )
                 bar.advance()
                 if (step + 1) % recipe.sync.interval == 0 or step + 1 == recipe.run.steps:

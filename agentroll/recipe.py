@@ -116,6 +116,7 @@ class TrainerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     kv_lag: Literal["weight", "cap", "mask"] = "weight"
     kv_lag_weight: float = 0.5
     max_grad_norm: float = 1.0
+    entropy_coef: float = 0.0  # entropy bonus (keeps a small policy from collapsing)
     threads: int | None = None  # torch intra-op threads of the trainer (None: torch's default)
 
 

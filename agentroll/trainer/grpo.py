@@ -14,7 +14,8 @@ keeps a gradient of weight C there instead of none.  ``C_t`` is ``is_cap``; a to
 ``kv_version`` lags its ``policy_version`` (it attended to KV computed under older weights)
 is, by ``kv_lag``: ``mask`` left out of the loss, ``cap`` given ``C_t = kv_lag_cap``,
 ``weight`` weighted by ``kv_lag_weight ** (policy_version - kv_version)`` (a weight, not a
-renormalisation: the denominator still counts it).  Loss = -sum(w_t J_t) / (loss tokens)
+renormalisation: the denominator still counts it).  Loss = -sum(w_t J_t + b H_t) / (loss tokens), ``H_t`` the entropy of the token's
+distribution and ``b`` the ``entropy_coef`` (0 by default),
 ("token-mean") or the mean over sequences of their token means ("seq-mean"); micro-batching
 gives the same gradient as one pass.  Invariant: the forward pass is the engine's model code
 with dense causal attention, so under the same weights ``logprobs`` equals the engine's
@@ -70,6 +71,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
     export_dtype: str | None = None  # serving dtype of exports (e.g. "bfloat16"); None: fp32
     export: Literal["delta", "full"] = "delta"
+    entropy_coef: float = 0.0  # bonus on the mean token entropy (policy-gradient steps only)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> ConfigError:
@@ -81,6 +83,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise bad(f"betas must be two values in [0, 1), got {self.betas}")
         if not 0 < self.clip_eps < 1:
             raise bad(f"clip_eps must be in (0, 1), got {self.clip_eps}")
+        if not 0.0 <= self.entropy_coef < 1.0:
+            raise bad(f"entropy_coef must be in [0, 1), got {self.entropy_coef}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
             raise bad(f"clip_eps_high must be > 0 (or None), got {self.clip_eps_high}")
         if not self.is_cap >= 1:
@@ -368,10 +372,18 @@ class GRPOTrainer:
         self, hidden: Tensor, src_rows: Tensor, targets: Tensor, temperature: float
     ) -> Tensor:
         """Logprob of ``targets`` given the hidden states at ``src_rows`` (previous tokens)."""
+        return self._token_logprobs_entropy(hidden, src_rows, targets, temperature)[0]
+
+    def _token_logprobs_entropy(
+        self, hidden: Tensor, src_rows: Tensor, targets: Tensor, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        """``_token_logprobs`` and the entropy of each token's (tempered) distribution."""
         logits = self.model.logits(hidden.index_select(0, src_rows), _TrainOps([])).float()
         if temperature != 1.0:
             logits = logits / temperature
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp_all.gather(1, targets[:, None])[:, 0], entropy
 
     def _validate(self, batch: Batch) -> None:
         b, t = batch.input_ids.shape
@@ -486,7 +498,7 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         ratio_sum = kl_sum = 0.0
-        ratio_max = 0.0
+        ratio_max = entropy_sum = 0.0
         clipped = capped = have_ratio = 0
         for rows in _micro_batches(self._budget_lengths(batch, active), self._budget):
             hidden, wheres = self._hidden(batch, rows)
@@ -499,9 +511,10 @@ class GRPOTrainer:
                 pos_of.append(pos)
             rows_t, pos_t = torch.cat(row_of), torch.cat(pos_of)
             temp = 1.0 if sft else cfg.temperature
-            logp = self._token_logprobs(
+            logp, entropy = self._token_logprobs_entropy(
                 hidden, torch.cat(src).to(self.device), torch.cat(tgt).to(self.device), temp
             )
+            entropy_sum += float(entropy.detach().double().sum())
             mu = batch.behaviour_logprobs[rows_t, pos_t].to(self.device)
             if sft:
                 per_token = -logp
@@ -516,6 +529,11 @@ class GRPOTrainer:
                     clip_high=cfg.clip_high,
                 )
                 per_token = -objective * weight[rows_t, pos_t].to(self.device)
+                if cfg.entropy_coef:
+                    # a bonus for keeping the sampling distribution wide: without it a
+                    # small policy can collapse onto one choice that groups then never
+                    # contradict (every sample equal, every advantage 0)
+                    per_token = per_token - cfg.entropy_coef * entropy
                 log_ratio = (logp.detach() - mu).double()
                 ratio_sum += float(ratio.double().sum())
                 ratio_max = max(ratio_max, float(ratio.max()))
@@ -562,6 +580,7 @@ class GRPOTrainer:
                 "truncated_tokens": float(batch.num_truncated),
                 "lr": float(self.optimizer.param_groups[0]["lr"]),
                 "sft": 1.0 if sft else 0.0,
+                "entropy": entropy_sum / max(num_tokens, 1),
             },
         )
 

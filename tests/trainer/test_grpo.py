@@ -492,3 +492,15 @@ def test_shared_prefix_is_computed_once_with_the_same_result(tiny_model: Path) -
     assert sa.loss == pytest.approx(sb.loss, rel=1e-5)
     assert sa.grad_norm == pytest.approx(sb.grad_norm, rel=1e-4)
     assert all(torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-7) for n in ga)
+
+
+def test_entropy_bonus_widens_the_policy(tiny_model: Path, trajs: list[Trajectory]) -> None:
+    """With zero advantages the only gradient is the entropy bonus: entropy goes up."""
+    batch = collate(trajs, advantages=np.zeros(len(trajs)))
+    trainer = GRPOTrainer(tiny_model, GRPOConfig(lr=1e-2, entropy_coef=0.1))
+    before = trainer.evaluate(batch).extra["entropy"]
+    for _ in range(3):
+        trainer.step(batch)
+    assert trainer.evaluate(batch).extra["entropy"] > before
+    with pytest.raises(ConfigError, match="entropy_coef"):
+        GRPOConfig(entropy_coef=-0.1)
