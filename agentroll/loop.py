@@ -290,10 +290,10 @@ async def _lease_batch(
 
 def lost_count(status: dict[str, Any]) -> int:
     """Trajectories the worker made durable that neither reached the trainer (acked), were
-    dropped as stale (counted), nor are still in its spool."""
+    dropped as stale (counted), nor are still in its spool (queued or leased)."""
     stream = status["stream"]
-    published = int(stream["published"]) + int(stream.get("restored", 0))
-    pending = int(status["spool"].get("pending", status["buffer"]["queued"]))
+    published = int(stream["published"]) + int(stream["restored"])
+    pending = int(status["spool"]["records"])
     return published - int(stream["acked"]) - int(stream["dropped_stale"]) - pending
 
 

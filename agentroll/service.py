@@ -187,7 +187,7 @@ class RolloutService:
         self._known_version = 0
         self._consumed_at_known = 0
         self._restored = 0
-        self._published = 0
+        self._continued: set[str] = set()  # episodes continued from a checkpoint directory
         self.counters = {
             "episodes": 0,
             "episodes_failed": 0,
@@ -294,11 +294,11 @@ class RolloutService:
         followed by an idle span (the split within one window is not known)."""
         fleet = self.backend
         names = list(fleet.replicas)
-        last = await fleet._busy(names)
+        last = await fleet.replica_seconds(names)
         t_last = time.time()
         while True:
             await asyncio.sleep(interval)
-            now_busy = await fleet._busy(names)
+            now_busy = await fleet.replica_seconds(names)
             now = time.time()
             for name in names:
                 busy = min(now - t_last, max(0.0, now_busy.get(name, 0.0) - last.get(name, 0.0)))
@@ -319,9 +319,14 @@ class RolloutService:
         del self._groups[traj.group_id]
         group.sort(key=lambda t: t.sample_index)
         await self.stream.publish(group)
-        self._published += len(group)
-        for t in group:  # a continued episode's checkpoint is done with once it is durable
-            shutil.rmtree(self.checkpoint_dir / t.id, ignore_errors=True)
+        done = [t.id for t in group if t.id in self._continued]
+        if done:  # a continued episode's checkpoint is done with once it is durable
+            self._continued.difference_update(done)
+            await asyncio.to_thread(self._remove_checkpoints, done)
+
+    def _remove_checkpoints(self, episode_ids: list[str]) -> None:
+        for episode_id in episode_ids:
+            shutil.rmtree(self.checkpoint_dir / episode_id, ignore_errors=True)
 
     def _load_stopped(self) -> list[EpisodeCheckpoint]:
         """Checkpoints and finished members of unfinished groups left by the last stop."""
@@ -332,6 +337,7 @@ class RolloutService:
                 self._groups.setdefault(t.group_id, []).append(t)
             finished.unlink()
         self._restored = len(checkpoints) + sum(len(g) for g in self._groups.values())
+        self._continued = {cp.episode_id for cp in checkpoints}
         return checkpoints
 
     async def _checkpoint(self, engine: RolloutEngine) -> int:
@@ -405,7 +411,8 @@ class RolloutService:
             await self.backend.close()
             self.metrics.event("run", event="end", component=self.metrics.component)
             self.metrics.close()
-        return {"published": self._published, "checkpointed": checkpointed, **self.counters}
+        published = self.stream.counters["published"] if self.stream is not None else 0
+        return {"published": published, "checkpointed": checkpointed, **self.counters}
 
 
 def write_ready_file(path: Path, url: str) -> None:

@@ -59,3 +59,17 @@ def test_run_writes_a_complete_run_directory(
     assert "checkpointed" in (run_dir / "worker.log").read_text()
     # `agentroll report` reads the same directory again
     assert main(["report", str(run_dir)]) == 0
+
+
+def test_lost_counts_leased_trajectories_as_still_held() -> None:
+    """Trajectories leased but not yet acknowledged are in the spool, not lost."""
+    from agentroll.loop import lost_count
+
+    status = {
+        "stream": {"published": 10, "restored": 2, "acked": 6, "dropped_stale": 1},
+        "buffer": {"queued": 2, "leased": 3},
+        "spool": {"records": 5},
+    }
+    assert lost_count(status) == 0
+    status["spool"]["records"] = 4  # one durable trajectory is gone from the spool
+    assert lost_count(status) == 1

@@ -549,8 +549,8 @@ class FleetBackend(Backend):
                     f"no replica is left to take update {update.version} (all down or failed)"
                 )
             t_busy = time.perf_counter()
-            busy0 = await self._busy(names)
-            steps0 = await self._busy(names, "busy_seconds")
+            busy0 = await self.replica_seconds(names)
+            steps0 = await self.replica_seconds(names, "busy_seconds")
             t0 = time.perf_counter()
             report = SyncReport(strategy=chosen, version=update.version)
             migrated0, recomputed0 = self.stats.migrated, self.stats.tokens_recomputed
@@ -560,8 +560,8 @@ class FleetBackend(Backend):
                 await self._recover(names)
                 raise
             report.seconds = time.perf_counter() - t0
-            busy1 = await self._busy(names)
-            steps1 = await self._busy(names, "busy_seconds")
+            busy1 = await self.replica_seconds(names)
+            steps1 = await self.replica_seconds(names, "busy_seconds")
             # the same window brackets both samples of every replica (a remote replica's
             # sample takes a round trip), so the fraction is at most 1
             window = time.perf_counter() - t_busy
@@ -596,7 +596,9 @@ class FleetBackend(Backend):
             if self.router.slots[n].status in ("draining", "updating"):
                 self._set_status(n, "active")
 
-    async def _busy(self, names: list[str], what: str = "generating_seconds") -> dict[str, float]:
+    async def replica_seconds(
+        self, names: list[str], what: str = "generating_seconds"
+    ) -> dict[str, float]:
         """Per replica: seconds spent serving requests (default) or inside engine steps."""
         got = await asyncio.gather(
             *(getattr(self.replicas[n], what)() for n in names), return_exceptions=True

@@ -372,18 +372,31 @@ class GRPOTrainer:
         self, hidden: Tensor, src_rows: Tensor, targets: Tensor, temperature: float
     ) -> Tensor:
         """Logprob of ``targets`` given the hidden states at ``src_rows`` (previous tokens)."""
-        return self._token_logprobs_entropy(hidden, src_rows, targets, temperature)[0]
+        return self._token_logprobs_entropy(hidden, src_rows, targets, temperature, entropy="none")[
+            0
+        ]
 
     def _token_logprobs_entropy(
-        self, hidden: Tensor, src_rows: Tensor, targets: Tensor, temperature: float
-    ) -> tuple[Tensor, Tensor]:
-        """``_token_logprobs`` and the entropy of each token's (tempered) distribution."""
+        self,
+        hidden: Tensor,
+        src_rows: Tensor,
+        targets: Tensor,
+        temperature: float,
+        *,
+        entropy: Literal["none", "value", "grad"],
+    ) -> tuple[Tensor, Tensor | None]:
+        """``_token_logprobs`` and the entropy of each token's (tempered) distribution:
+        not computed (``none``), a statistic without gradient (``value``), or a loss term
+        (``grad``)."""
         logits = self.model.logits(hidden.index_select(0, src_rows), _TrainOps([])).float()
         if temperature != 1.0:
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, dim=-1)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp_all.gather(1, targets[:, None])[:, 0], entropy
+        logp = logp_all.gather(1, targets[:, None])[:, 0]
+        if entropy == "none":
+            return logp, None
+        source = logp_all if entropy == "grad" else logp_all.detach()
+        return logp, -(source.exp() * source).sum(-1)
 
     def _validate(self, batch: Batch) -> None:
         b, t = batch.input_ids.shape
@@ -512,8 +525,13 @@ class GRPOTrainer:
             rows_t, pos_t = torch.cat(row_of), torch.cat(pos_of)
             temp = 1.0 if sft else cfg.temperature
             logp, entropy = self._token_logprobs_entropy(
-                hidden, torch.cat(src).to(self.device), torch.cat(tgt).to(self.device), temp
+                hidden,
+                torch.cat(src).to(self.device),
+                torch.cat(tgt).to(self.device),
+                temp,
+                entropy="grad" if cfg.entropy_coef and not sft and update else "value",
             )
+            assert entropy is not None
             entropy_sum += float(entropy.detach().double().sum())
             mu = batch.behaviour_logprobs[rows_t, pos_t].to(self.device)
             if sft:
