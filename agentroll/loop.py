@@ -228,14 +228,13 @@ async def train(
     metrics = MetricsWriter(run_dir, "trainer")
     bar = Progress("training steps", recipe.run.steps, mode=progress)
     worker_version = 0
-    seen: set[str] = set()
     try:
         async with StreamClient(
             url, token=token, seen_path=run_dir / "trainer-acked.ids"
         ) as client:
             for step in range(recipe.run.steps):
                 with metrics.span("trainer.idle"):
-                    pending = await _lease_batch(client, t.batch_size, trainer.version, seen)
+                    pending = await client.take(t.batch_size, trainer_version=trainer.version)
                 with metrics.span("trainer.busy", step=step):
                     version = trainer.version
                     batch = collate(pending, pad_id=0)
@@ -269,23 +268,6 @@ async def train(
         bar.close()
         metrics.close()
     return status
-
-
-async def _lease_batch(
-    client: Any, size: int, trainer_version: int, seen: set[str]
-) -> list[Trajectory]:
-    """Exactly ``size`` trajectories (whole groups), none in ``seen`` (which grows); leases
-    are checked by the worker against ``trainer_version``.  A re-offered trajectory (its
-    lease expired while it was being trained on) is skipped, not trained on twice."""
-    out: list[Trajectory] = []
-    while len(out) < size:
-        lease = await client.lease(size - len(out), wait=5.0, trainer_version=trainer_version)
-        if lease is None:
-            continue
-        fresh = [t for t in lease.trajectories if t.id not in seen]
-        seen.update(t.id for t in fresh)
-        out.extend(fresh)
-    return out
 
 
 def lost_count(status: dict[str, Any]) -> int:

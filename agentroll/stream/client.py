@@ -672,6 +672,35 @@ class StreamClient:
             await asyncio.to_thread(_append_seen, self.seen_path, fresh)
         return reply.acked
 
+    async def _fresh(self, batch: LeaseBatch) -> list[Trajectory]:
+        """The trajectories of ``batch`` never handed out by this client (now marked as
+        handed out); ones acknowledged before a restart are acknowledged again."""
+        fresh: list[Trajectory] = []
+        again: list[str] = []
+        for traj in batch.trajectories:
+            if traj.id in self._acked:
+                again.append(traj.id)  # acknowledged before a restart of either side
+            elif traj.id not in self._yielded:
+                fresh.append(traj)
+        self.skipped += len(batch.trajectories) - len(fresh)
+        if again:
+            await self.ack(again)
+        self._yielded.update(t.id for t in fresh)
+        return fresh
+
+    async def take(
+        self, n: int, wait: float = 5.0, *, trainer_version: int | None = None
+    ) -> list[Trajectory]:
+        """Exactly ``n`` trajectories never handed out before (deduped as ``batches`` does),
+        leasing as often as needed; whole groups when ``n`` is a multiple of the group size.
+        For a trainer that steps on fixed-size batches.  Raises ``StreamError``."""
+        out: list[Trajectory] = []
+        while len(out) < n:
+            batch = await self.lease(n - len(out), wait, trainer_version=trainer_version)
+            if batch is not None:
+                out.extend(await self._fresh(batch))
+        return out
+
     async def batches(
         self,
         max: int = 64,
@@ -709,19 +738,9 @@ class StreamClient:
                         self.lease(max, wait, trainer_version=trainer_version)
                     )
                     await asyncio.sleep(0)  # let it send its request before the consumer runs
-                fresh: list[Trajectory] = []
-                again: list[str] = []
-                for traj in batch.trajectories:
-                    if traj.id in self._acked:
-                        again.append(traj.id)  # acknowledged before a restart of either side
-                    elif traj.id not in self._yielded:
-                        fresh.append(traj)
-                self.skipped += len(batch.trajectories) - len(fresh)
-                if again:
-                    await self.ack(again)
+                fresh = await self._fresh(batch)
                 if not fresh:
                     continue
-                self._yielded.update(t.id for t in fresh)
                 yield fresh
                 if auto_ack:
                     while acking and (acking[0].done() or len(acking) >= _ACKS_IN_FLIGHT):

@@ -126,6 +126,22 @@ async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> Non
         assert len(stream.spool) == 0
 
 
+async def test_take_returns_exactly_n_never_handed_out_before(tmp_path: Path) -> None:
+    clock = FakeClock()
+    async with worker(tmp_path, clock=clock) as (stream, url):
+        for i in range(3):
+            await stream.publish([traj(i)])
+        async with StreamClient(url) as client:
+            first = await client.take(2, wait=5.0)
+            assert [t.id for t in first] == ["t-00000000", "t-00000001"]
+            clock.now += 11  # that lease expires unacknowledged: both are offered again
+            for i in range(3, 5):
+                await stream.publish([traj(i)])
+            second = await client.take(3, wait=5.0)
+            assert [t.id for t in second] == ["t-00000002", "t-00000003", "t-00000004"]
+            assert client.skipped == 2
+
+
 async def test_consumer_killed_mid_batch_gets_the_unacked_rest(tmp_path: Path) -> None:
     clock = FakeClock()
     seen = tmp_path / "seen.jsonl"
