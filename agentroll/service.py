@@ -188,9 +188,8 @@ class RolloutService:
         self._consumed_at_known = 0
         self._restored = 0
         self._continued: set[str] = set()  # episodes continued from a checkpoint directory
+        self.engine: RolloutEngine | None = None
         self.counters = {
-            "episodes": 0,
-            "episodes_failed": 0,
             "syncs": 0,
             "syncs_mid_generation": 0,
             "admission_wait_seconds": 0.0,
@@ -277,7 +276,7 @@ class RolloutService:
 
     def _write_counters(self) -> None:
         fleet_stats = self.backend.stats if self.backend is not None else None
-        for name, value in self.counters.items():
+        for name, value in self.episode_counters().items():
             self.metrics.counter(name, value)
         if fleet_stats is not None:
             self.metrics.counter("episodes_restarted", fleet_stats.episodes_restarted)
@@ -288,6 +287,15 @@ class RolloutService:
                 self.metrics.counter(name, c[name])
             stats = self.stream.buffer.statistics()
             self.metrics.counter("kept_stale", stats.kept_stale)
+
+    def episode_counters(self) -> dict[str, float]:
+        """The service's counters and its rollout engine's episode counts."""
+        stats = self.engine.stats if self.engine is not None else {}
+        return {
+            "episodes": stats.get("episodes", 0),
+            "episodes_failed": stats.get("failed", 0),
+            **self.counters,
+        }
 
     async def _sample_busy(self, interval: float = 0.5) -> None:
         """Every ``interval``: each replica's generating share of the window, as a busy span
@@ -308,8 +316,6 @@ class RolloutService:
 
     async def _publish(self, traj: Trajectory) -> None:
         assert self.stream is not None
-        self.counters["episodes"] += 1
-        self.counters["episodes_failed"] += traj.status == "failed"
         if traj.finished_at > traj.started_at:
             self.admission.observe_episode(traj.finished_at - traj.started_at)
         group = self._groups.setdefault(traj.group_id, [])
@@ -382,6 +388,7 @@ class RolloutService:
                 ) as url,
                 RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
             ):
+                self.engine = engine
                 self._restored += self.stream.counters["restored"]
                 if ready is not None:
                     ready(url)
@@ -412,7 +419,7 @@ class RolloutService:
             self.metrics.event("run", event="end", component=self.metrics.component)
             self.metrics.close()
         published = self.stream.counters["published"] if self.stream is not None else 0
-        return {"published": published, "checkpointed": checkpointed, **self.counters}
+        return {"published": published, "checkpointed": checkpointed, **self.episode_counters()}
 
 
 def write_ready_file(path: Path, url: str) -> None:

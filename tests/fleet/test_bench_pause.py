@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 from agentroll.bench_pause import format_line, run_pause_bench
 
@@ -15,18 +16,22 @@ LINE = re.compile(
 )
 
 
-async def test_small_rolling_run(tiny_model: Path) -> None:
-    r = await run_pause_bench(
+async def small_run(model: Path, strategy: str, policy: str) -> dict[str, Any]:
+    return await run_pause_bench(
         replicas=2,
         episodes=12,
         syncs=2,
-        strategy="rolling",
-        policy="keep",
-        model=tiny_model,
+        strategy=strategy,
+        policy=policy,  # type: ignore[arg-type]
+        model=model,
         max_tokens=64,
         seed=4,  # syncs at 13% and 24% of the run's tokens: generations are surely in flight
         verbose=False,
     )
+
+
+async def test_small_rolling_run(tiny_model: Path) -> None:
+    r = await small_run(tiny_model, "rolling", "keep")
     assert r["syncs"] == 2 and r["lost"] == 0 and r["failed_updates"] == 0
     assert r["tokens_discarded"] == 0 and r["episodes_restarted"] == 0
     assert 0 < r["busy_fraction_during_sync"] <= 1
@@ -35,15 +40,5 @@ async def test_small_rolling_run(tiny_model: Path) -> None:
 
 
 async def test_restart_reports_what_it_throws_away(tiny_model: Path) -> None:
-    r = await run_pause_bench(
-        replicas=2,
-        episodes=12,
-        syncs=2,
-        strategy="pause",
-        policy="restart",
-        model=tiny_model,
-        max_tokens=64,
-        seed=4,  # syncs at 13% and 24% of the run's tokens: generations are surely in flight
-        verbose=False,
-    )
+    r = await small_run(tiny_model, "pause", "restart")
     assert r["lost"] == 0 and r["tokens_discarded"] > 0 and r["episodes_restarted"] > 0
