@@ -73,15 +73,8 @@ async def demonstrations(recipe: Recipe, model_dir: Path) -> list[Trajectory]:
 
     expert = load_expert(recipe.warmup.expert)
     tok = ChatTokenizer.from_pretrained(model_dir)
-    kwargs = dict(recipe.environment.kwargs)
-    kwargs["seed"] = int(kwargs.get("seed", 0)) + 7919
-    kwargs["num_tasks"] = recipe.warmup.tasks
-    env = build_environment(
-        Recipe(
-            environment=type(recipe.environment)(name=recipe.environment.name, kwargs=kwargs),
-            sandbox=recipe.sandbox,
-        )
-    )
+    seed = int(recipe.environment.kwargs.get("seed", 0)) + 7919
+    env = build_environment(recipe, seed=seed, num_tasks=recipe.warmup.tasks)
 
     def script(request: GenerationRequest) -> str:
         text = tok.decode(request.prompt_ids, skip_special_tokens=False)

@@ -44,18 +44,19 @@ logger = logging.getLogger("agentroll.service")
 FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
 
 
-def build_environment(recipe: Recipe) -> Environment:
-    """The recipe's environment, with its sandbox settings applied."""
-    kwargs = dict(recipe.environment.kwargs)
+def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
+    """The recipe's environment (its ``kwargs`` updated by ``overrides``), with the recipe's
+    sandbox settings applied."""
+    kwargs = {**recipe.environment.kwargs, **overrides}
     env = load_environment(recipe.environment.name, **kwargs)
     sb = recipe.sandbox
     if env.sandbox_config is not None:
-        overrides: dict[str, Any] = {"backend": sb.backend}
+        changes: dict[str, Any] = {"backend": sb.backend}
         if sb.timeout is not None:
-            overrides["timeout"] = sb.timeout
+            changes["timeout"] = sb.timeout
         if sb.image is not None:
-            overrides["image"] = sb.image
-        config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **overrides)
+            changes["image"] = sb.image
+        config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
     elif sb.backend != "local" or sb.image is not None:
         config = SandboxConfig(backend=sb.backend, image=sb.image)
     else:
