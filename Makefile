@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/agentroll run examples/recipes/demo.toml
 
-# Services the suite needs (bubblewrap now; docker, vllm, ray as their issues land).
+# Services the suite needs: bubblewrap, a private docker engine (vllm as its issue lands).
 services:
 	scripts/services.sh
 
@@ -32,7 +32,8 @@ lint: $(STAMP)
 
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
 test: $(STAMP) services lint
-	AGENTROLL_REQUIRE=bwrap,ray $(BIN)/pytest -q -ra
+	AGENTROLL_REQUIRE=bwrap,ray,docker AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
+		$(BIN)/pytest -q -ra
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x $(PYTEST_FAST)

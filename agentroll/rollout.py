@@ -399,7 +399,7 @@ class RolloutEngine:
             async with timer:
                 self.pauses.track(timer)
                 if env.sandbox_config is not None:
-                    run.sandbox = open_sandbox(env.sandbox_config)
+                    run.sandbox = open_sandbox(env.sandbox_config, episode_id=state.episode_id)
                     await run.sandbox.start()
                     state.sandbox = run.sandbox
                 if checkpoint is not None:

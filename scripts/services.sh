@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install and start what the test suite needs.  Idempotent; safe to run repeatedly.
 # bubblewrap: the local sandbox runs commands inside it (no network, read-only host).
+# docker: a private engine for the docker sandbox tests (scripts/dockerd.sh).
 set -euo pipefail
 
 have_working_bwrap() {
@@ -21,3 +22,5 @@ else
     exit 1
   fi
 fi
+
+"$(dirname "$0")/dockerd.sh" start

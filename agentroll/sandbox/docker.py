@@ -1,0 +1,949 @@
+"""The docker sandbox: one container per episode, commands through a persistent channel.
+
+Each container runs the in-container agent (``_agent.py``) as its main process under tini,
+with its stdin/stdout attached to us over one hijacked HTTP connection to the daemon, so an
+``exec`` is one round trip on an open connection (a few ms) instead of a ``docker exec``
+(about 50 ms).  Files move through the archive API.  Containers come from a warm pool per
+(daemon, image, limits); blocking SDK calls run on a bounded thread pool whose size matches
+the docker client's connection pool.
+
+Invariants:
+- Every container has ``network_mode="none"``, CPU, memory (no swap) and pids limits,
+  ``cap_drop=ALL``, ``no-new-privileges``, tini as PID 1, a tmpfs ``/tmp``, and the labels
+  of ``_ratelimit`` (owner, created at, TTL, run, episode).  ``config.network`` is refused.
+- A container cannot outlive its TTL (the agent's SIGALRM ends it) nor, for long, its owner
+  (the attach connection closing is the agent's stdin EOF); a stopped container is removed
+  by ``close()``, by the owner's exit/SIGTERM handler (bulk, by owner label) or by the
+  reaper that runs when a process first uses a daemon.
+- A command's timeout is enforced inside the container (the agent SIGKILLs its process
+  group) and outside (no answer by timeout + grace: a timed-out result, the container is
+  marked broken and later calls raise ``SandboxError``).
+- A pooled container is health-checked (a ping) before hand-out; one is reused only if
+  ``options.reuse`` and the agent verified the reset (no other process, empty directories).
+- ``close()`` finishes removing the container even if the caller is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import contextlib
+import functools
+import io
+import logging
+import os
+import posixpath
+import signal
+import socket
+import tarfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import msgspec
+
+from agentroll.errors import SandboxError
+from agentroll.sandbox._channel import AgentChannel, capture_from
+from agentroll.sandbox._ratelimit import (
+    LABEL,
+    LABEL_CREATED,
+    LABEL_EPISODE,
+    LABEL_OWNER,
+    LABEL_RUN,
+    LABEL_TTL,
+    TokenBucket,
+    reap_reason,
+)
+from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.types import ExecResult
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "DockerOptions",
+    "DockerSandbox",
+    "close_pools",
+    "ensure_base_image",
+    "list_containers",
+    "prewarm",
+    "reap",
+    "remove_owned",
+]
+
+log = logging.getLogger("agentroll.sandbox")
+
+T = TypeVar("T")
+
+DEFAULT_IMAGE = "agentroll/base:host"  # empty image; the host's runtime is bind-mounted
+# Not /sbin: docker mounts its init (tini) at /sbin/docker-init.
+_HOST_MOUNTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin")
+_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+_OUTSIDE_GRACE = 2.0  # seconds past a command's timeout before we stop waiting for the agent
+_PING_TIMEOUT = 2.0
+_MIB = 1024 * 1024
+_DOCKER_HINT = (
+    "start a daemon (`scripts/dockerd.sh start` starts a private one and prints its "
+    "DOCKER_HOST), or set sandbox option docker_host / $DOCKER_HOST"
+)
+
+
+class DockerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Docker-only settings, read from ``SandboxConfig.options``."""
+
+    docker_host: str | None = None  # default: $DOCKER_HOST, else unix:///var/run/docker.sock
+    cpus: float = 1.0
+    pids: int = 256
+    ttl: float = 3600.0  # seconds a container may live at most
+    workdir: str = "/workspace"
+    tmpfs_mb: int = 64
+    pool_size: int = 2  # warm containers kept ready per image and limits
+    reuse: bool = False  # put a container back in the pool after a verified reset
+    host_mounts: bool | None = None  # bind the host's /usr, /lib...; None: default image only
+    python: str = "python3"  # the image's interpreter for the agent
+    user: str | None = None
+    run_id: str = ""
+    create_rate: float = 10.0  # container creations per second
+    create_burst: int = 8
+    max_connections: int = 64  # docker client connection pool = SDK thread pool size
+    start_timeout: float = 30.0
+
+    @classmethod
+    def from_config(cls, config: SandboxConfig) -> DockerOptions:
+        try:
+            opts = msgspec.convert(config.options, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"sandbox options: {exc}") from None
+        if opts.cpus <= 0 or opts.pids < 8 or opts.tmpfs_mb < 1 or opts.max_connections < 1:
+            raise ValueError("sandbox options: cpus > 0, pids >= 8, tmpfs_mb >= 1 needed")
+        if not posixpath.isabs(opts.workdir) or posixpath.normpath(opts.workdir) == "/":
+            raise ValueError(f"sandbox options: workdir {opts.workdir!r} must be absolute, not /")
+        return opts
+
+
+class _Spec(msgspec.Struct, frozen=True):
+    """Everything a container is created from; containers of equal specs are interchangeable."""
+
+    image: str
+    memory_mb: int
+    cpus: float
+    pids: int
+    ttl: float
+    workdir: str
+    tmpfs_mb: int
+    host_mounts: bool
+    python: str
+    user: str | None
+    file_size_mb: int
+    open_files: int
+    run_id: str
+    start_timeout: float
+
+
+# ---------------------------------------------------------------------------------------
+# process identity, used by the owner label and the reaper
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_alive(pid: int, ticks: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return _start_ticks(pid) == ticks
+
+
+_HOST = socket.gethostname()
+_OWNER = f"{_HOST}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def _owner() -> str:
+    global _OWNER
+    if not _OWNER.startswith(f"{_HOST}:{os.getpid()}:"):  # a forked child is its own owner
+        _OWNER = f"{_HOST}:{os.getpid()}:{_start_ticks(os.getpid())}"
+    return _OWNER
+
+
+# ---------------------------------------------------------------------------------------
+# the daemon: one SDK client, one thread pool, one creation rate limit per URL
+
+
+def _resolve_host(docker_host: str | None) -> str:
+    url = docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if url.startswith("/"):
+        url = "unix://" + url
+    return url
+
+
+class _Daemon:
+    def __init__(self, url: str, max_connections: int, rate: float, burst: int) -> None:
+        import docker
+
+        self.url = url
+        parsed = urlparse(url)
+        if parsed.scheme not in ("unix", "tcp", "http"):
+            raise SandboxError(
+                f"docker sandbox: daemon URL {url!r} is not supported (its commands need a "
+                "persistent attach connection, which agentroll opens over unix:// or plain "
+                "tcp://); use one of those"
+            )
+        self.parsed = parsed
+        try:
+            self.client = docker.APIClient(base_url=url, max_pool_size=max_connections, timeout=120)
+            self.client.ping()
+        except Exception as exc:
+            raise SandboxError(
+                f"no docker daemon answers at {url} ({exc}); {_DOCKER_HINT}"
+            ) from exc
+        self.api_version: str = self.client.api_version
+        self.executor = ThreadPoolExecutor(max_connections, thread_name_prefix="agentroll-docker")
+        self.bucket = TokenBucket(rate, burst, time.monotonic())
+        self.reaped = 0
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def creation_slot(self) -> None:
+        await asyncio.sleep(self.bucket.reserve(time.monotonic()))
+
+    async def attach(self, cid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A raw connection to the container's stdin/stdout/stderr (hijacked HTTP)."""
+        if self.parsed.scheme == "unix":
+            reader, writer = await asyncio.open_unix_connection(self.parsed.path)
+        else:
+            reader, writer = await asyncio.open_connection(
+                self.parsed.hostname, self.parsed.port or 2375
+            )
+        request = (
+            f"POST /v{self.api_version}/containers/{cid}/attach"
+            "?stream=1&stdin=1&stdout=1&stderr=1 HTTP/1.1\r\n"
+            "Host: docker\r\nContent-Type: text/plain\r\n"
+            "Connection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
+        )
+        writer.write(request.encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0].decode("latin-1")
+        if " 101 " not in status and " 200 " not in status:
+            writer.close()
+            raise SandboxError(f"docker refused to attach to container {cid[:12]}: {status}")
+        sock = writer.get_extra_info("socket")
+        if sock is not None and self.parsed.scheme != "unix":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return reader, writer
+
+
+_daemons: dict[str, _Daemon] = {}
+_daemons_lock = threading.Lock()
+
+
+def _daemon(opts: DockerOptions) -> _Daemon:
+    """The process's ``_Daemon`` for ``opts.docker_host`` (blocking; call off the loop)."""
+    url = _resolve_host(opts.docker_host)
+    with _daemons_lock:
+        daemon = _daemons.get(url)
+        if daemon is None:
+            daemon = _Daemon(url, opts.max_connections, opts.create_rate, opts.create_burst)
+            _install_exit_cleanup()
+            daemon.reaped = _reap(daemon.client)
+            if daemon.reaped:
+                log.warning(
+                    "removed %d leftover agentroll container(s) at %s (past their TTL or "
+                    "their owner is gone)",
+                    daemon.reaped,
+                    url,
+                )
+            _daemons[url] = daemon
+        return daemon
+
+
+# ---------------------------------------------------------------------------------------
+# cleanup: the reaper, bulk removal at exit and on SIGTERM
+
+
+def list_containers(docker_host: str | None = None, *, owner: str | None = None) -> list[str]:
+    """Ids of this project's containers (all states) at the daemon; ``owner``: only those
+    of that owner label (``"self"`` for this process).  Blocking."""
+    client = _daemon(DockerOptions(docker_host=docker_host)).client
+    label = LABEL if owner is None else f"{LABEL_OWNER}={_owner() if owner == 'self' else owner}"
+    return [c["Id"] for c in client.containers(all=True, filters={"label": label})]
+
+
+def _reap(client: Any) -> int:
+    removed = 0
+    now = time.time()
+    for c in client.containers(all=True, filters={"label": LABEL}):
+        why = reap_reason(c.get("Labels") or {}, now=now, host=_HOST, owner_alive=_owner_alive)
+        if why is None:
+            continue
+        log.info("reaping container %s: %s", c["Id"][:12], why)
+        if _remove_quietly(client, c["Id"]):
+            removed += 1
+    return removed
+
+
+def reap(docker_host: str | None = None) -> int:
+    """Remove this project's containers that are past their TTL or whose owner process on
+    this host is gone; return how many.  Runs by itself when a process first uses a daemon;
+    call it to sweep again.  Blocking."""
+    daemon = _daemon(DockerOptions(docker_host=docker_host))
+    return _reap(daemon.client)
+
+
+def _remove_quietly(client: Any, cid: str) -> bool:
+    import docker.errors
+
+    try:
+        client.remove_container(cid, force=True, v=True)
+        return True
+    except docker.errors.NotFound:
+        return False
+    except docker.errors.APIError as exc:
+        if exc.status_code == 409:  # removal already in progress
+            return False
+        log.warning("cannot remove container %s: %s", cid[:12], exc)
+        return False
+
+
+def remove_owned() -> int:
+    """Remove every container this process created, at every daemon it used (bulk, by
+    owner label).  Runs at interpreter exit and on SIGTERM.  Blocking; never raises."""
+    removed = 0
+    with _daemons_lock:
+        daemons = list(_daemons.values())
+    for daemon in daemons:
+        try:
+            mine = daemon.client.containers(
+                all=True, filters={"label": f"{LABEL_OWNER}={_owner()}"}
+            )
+        except Exception as exc:
+            log.warning("cannot list containers at %s to clean up: %s", daemon.url, exc)
+            continue
+        for c in mine:
+            removed += _remove_quietly(daemon.client, c["Id"])
+    return removed
+
+
+_cleanup_installed = False
+
+
+def _install_exit_cleanup() -> None:
+    global _cleanup_installed
+    if _cleanup_installed:
+        return
+    _cleanup_installed = True
+    atexit.register(remove_owned)
+    # A SIGTERM with the default action would skip atexit; an application that handles
+    # SIGTERM itself (the worker does) shuts down normally and atexit runs.
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            remove_owned()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# ---------------------------------------------------------------------------------------
+# images
+
+
+def ensure_base_image(docker_host: str | None = None) -> str:
+    """Create ``DEFAULT_IMAGE`` (an empty image, made offline) if the daemon lacks it."""
+    import docker.errors
+
+    client = _daemon(DockerOptions(docker_host=docker_host)).client
+    try:
+        client.inspect_image(DEFAULT_IMAGE)
+    except docker.errors.ImageNotFound:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w"):
+            pass
+        repo, tag = DEFAULT_IMAGE.rsplit(":", 1)
+        client.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
+        log.info("created the base image %s (empty; the host's runtime is mounted)", DEFAULT_IMAGE)
+    return DEFAULT_IMAGE
+
+
+@functools.cache
+def _host_binds() -> dict[str, dict[str, str]]:
+    return {
+        os.path.realpath(path): {"bind": path, "mode": "ro"}
+        for path in _HOST_MOUNTS
+        if os.path.exists(path)
+    }
+
+
+@functools.cache
+def _agent_source() -> str:
+    return Path(__file__).with_name("_agent.py").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# containers and pools
+
+
+class _Container:
+    def __init__(self, daemon: _Daemon, cid: str, channel: AgentChannel) -> None:
+        self.daemon = daemon
+        self.id = cid
+        self.channel = channel
+        self.broken: str | None = None
+
+    async def healthy(self) -> bool:
+        if self.broken or not self.channel.alive:
+            return False
+        try:
+            reply = await self.channel.request({"op": "ping"}, timeout=_PING_TIMEOUT)
+        except (SandboxError, TimeoutError):
+            return False
+        return bool(reply.get("ok"))
+
+    async def destroy(self) -> None:
+        await self.channel.close()
+        await self.daemon.call(_remove_quietly, self.daemon.client, self.id)
+
+
+async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Container:
+    import docker.errors
+
+    await daemon.creation_slot()
+    client = daemon.client
+    labels = {
+        LABEL: "1",
+        LABEL_OWNER: _owner(),
+        LABEL_CREATED: f"{time.time():.3f}",
+        LABEL_TTL: f"{spec.ttl:.0f}",
+        LABEL_RUN: spec.run_id,
+        LABEL_EPISODE: episode_id or "",
+    }
+    binds = _host_binds() if spec.host_mounts else {}
+    mem = f"{spec.memory_mb}m"
+    ulimits = []
+    if spec.file_size_mb > 0:
+        fsize = spec.file_size_mb * _MIB
+        ulimits.append(docker.types.Ulimit(name="fsize", soft=fsize, hard=fsize))
+    if spec.open_files > 0:
+        ulimits.append(
+            docker.types.Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files)
+        )
+    host_config = client.create_host_config(
+        network_mode="none",
+        mem_limit=mem,
+        memswap_limit=mem,  # equal: no swap
+        nano_cpus=int(spec.cpus * 1e9),
+        pids_limit=spec.pids,
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        init=True,
+        tmpfs={"/tmp": f"rw,nosuid,nodev,size={spec.tmpfs_mb}m"},
+        binds=binds or None,
+        ulimits=ulimits or None,
+    )
+    command = [spec.python, "-c", _agent_source(), f"{spec.ttl:.0f}", spec.workdir]
+
+    def create() -> str:
+        try:
+            made = client.create_container(
+                spec.image,
+                command=command,
+                stdin_open=True,  # with attach: StdinOnce, so our disconnect is EOF
+                working_dir=spec.workdir,
+                labels=labels,
+                host_config=host_config,
+                environment={"PATH": _PATH, "PYTHONDONTWRITEBYTECODE": "1"},
+                user=spec.user,
+                network_disabled=True,
+            )
+        except docker.errors.ImageNotFound:
+            if spec.image != DEFAULT_IMAGE:
+                raise SandboxError(
+                    f"docker image {spec.image!r} is not at {daemon.url}; pull or build it "
+                    "first (`docker pull IMAGE`)"
+                ) from None
+            ensure_base_image(daemon.url)
+            return create()
+        return str(made["Id"])
+
+    try:
+        cid = await daemon.call(create)
+    except docker.errors.APIError as exc:
+        raise SandboxError(f"docker could not create a container of {spec.image}: {exc}") from exc
+    try:
+        reader, writer = await daemon.attach(cid)
+        channel = AgentChannel(reader, writer, multiplexed=True, name=f"container {cid[:12]}")
+        await daemon.call(client.start, cid)
+        await channel.start(spec.start_timeout)
+    except BaseException as exc:
+        removal = asyncio.ensure_future(daemon.call(_remove_quietly, client, cid))
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(removal)
+        if isinstance(exc, docker.errors.APIError):
+            raise SandboxError(f"docker could not start container {cid[:12]}: {exc}") from exc
+        if isinstance(exc, SandboxError):
+            raise SandboxError(
+                f"{exc} (does image {spec.image!r} have {spec.python!r} on PATH? the "
+                "sandbox's agent needs python >= 3.8 in the image; set sandbox option python)"
+            ) from exc
+        raise
+    return _Container(daemon, cid, channel)
+
+
+class _Pool:
+    """Warm containers of one spec, for one event loop."""
+
+    def __init__(self, daemon: _Daemon, spec: _Spec, size: int) -> None:
+        self.daemon = daemon
+        self.spec = spec
+        self.size = size
+        self.warm: deque[_Container] = deque()
+        self.filling = 0
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+        self.fill_failures = 0
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def refill(self) -> None:
+        if self.closed or self.fill_failures >= 3:
+            return
+        for _ in range(self.size - len(self.warm) - self.filling):
+            self.filling += 1
+            self._spawn(self._fill_one())
+
+    async def _fill_one(self) -> None:
+        try:
+            container = await _create(self.daemon, self.spec, None)
+        except Exception as exc:
+            self.fill_failures += 1
+            log.warning("warm pool: cannot create a container of %s: %s", self.spec.image, exc)
+            return
+        finally:
+            self.filling -= 1
+        self.fill_failures = 0
+        if self.closed:
+            await container.destroy()
+        else:
+            self.warm.append(container)
+
+    async def acquire(self, episode_id: str | None) -> _Container:
+        while self.warm:
+            container = self.warm.popleft()
+            self.refill()
+            if await container.healthy():
+                if episode_id:  # labels are fixed at creation; the name says who has it
+                    self._spawn(self._rename(container, episode_id))
+                return container
+            log.info("warm pool: container %s failed its health check", container.id[:12])
+            self._spawn(container.destroy())
+        self.refill()
+        return await _create(self.daemon, self.spec, episode_id)
+
+    async def _rename(self, container: _Container, episode_id: str) -> None:
+        safe = "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in episode_id)[:80]
+        with contextlib.suppress(Exception):
+            await self.daemon.call(
+                self.daemon.client.rename, container.id, f"agentroll-{safe}-{container.id[:8]}"
+            )
+
+    async def release(self, container: _Container, *, reuse: bool) -> None:
+        if reuse and not self.closed and len(self.warm) < self.size and container.channel.alive:
+            try:
+                reply = await container.channel.request(
+                    {"op": "reset", "dirs": [self.spec.workdir, "/tmp"], "kill": True},
+                    timeout=10.0,
+                )
+            except (SandboxError, TimeoutError):
+                reply = {"ok": False, "detail": "no answer"}
+            if reply.get("ok"):
+                self.warm.append(container)
+                return
+            log.info("container %s not reused: %s", container.id[:12], reply.get("detail"))
+        await container.destroy()
+        self.refill()
+
+    async def close(self) -> None:
+        self.closed = True
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        warm, self.warm = list(self.warm), deque()
+        await asyncio.gather(*(c.destroy() for c in warm), return_exceptions=True)
+
+
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Spec, _Pool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _pool(opts: DockerOptions, spec: _Spec) -> _Pool:
+    loop = asyncio.get_running_loop()
+    daemon = _daemons.get(_resolve_host(opts.docker_host))
+    if daemon is None:  # first use: connect (and reap) off the loop
+        daemon = await loop.run_in_executor(None, _daemon, opts)
+    pools = _pools.setdefault(loop, {})
+    pool = pools.get(spec)
+    if pool is None or pool.daemon is not daemon:
+        pool = pools[spec] = _Pool(daemon, spec, opts.pool_size)
+    return pool
+
+
+async def prewarm(config: SandboxConfig, *, timeout: float = 120.0) -> int:
+    """Fill the warm pool of ``config`` (``options.pool_size`` containers) and wait until it
+    is full; return how many are warm.  Raises ``SandboxError`` if the pool cannot fill."""
+    probe = DockerSandbox(config)
+    pool = await _pool(probe.options, probe.spec)
+    deadline = time.monotonic() + timeout
+    pool.refill()
+    while len(pool.warm) < pool.size:
+        if pool.fill_failures >= 3 or time.monotonic() > deadline:
+            raise SandboxError(
+                f"warm pool of {probe.spec.image} holds {len(pool.warm)}/{pool.size} "
+                "containers; see the warnings above"
+            )
+        await asyncio.sleep(0.005)
+    return len(pool.warm)
+
+
+async def close_pools() -> None:
+    """Remove the warm containers of this event loop's pools (call before the loop ends;
+    what is left is removed at interpreter exit)."""
+    pools = _pools.pop(asyncio.get_running_loop(), {})
+    await asyncio.gather(*(p.close() for p in pools.values()), return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------
+# the sandbox
+
+
+class DockerSandbox(Sandbox):
+    """A container per episode (from a warm pool); see the module docstring.
+
+    ``config.memory_mb`` is the container's memory limit (no swap); ``file_size_mb`` and
+    ``open_files`` become ulimits; ``cpu_seconds`` does not apply (``options.cpus`` bounds
+    the CPU share and each command's timeout its time).  Docker-only settings are
+    ``DockerOptions`` fields in ``config.options``.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, *, episode_id: str | None = None):
+        self.config = config or SandboxConfig(backend="docker")
+        if self.config.network:
+            raise ValueError(
+                "docker sandboxes never have network (network_mode='none'); set network=false"
+            )
+        self.options = DockerOptions.from_config(self.config)
+        image = self.config.image or DEFAULT_IMAGE
+        host_mounts = self.options.host_mounts
+        self.spec = _Spec(
+            image=image,
+            memory_mb=self.config.memory_mb,
+            cpus=self.options.cpus,
+            pids=self.options.pids,
+            ttl=self.options.ttl,
+            workdir=posixpath.normpath(self.options.workdir),
+            tmpfs_mb=self.options.tmpfs_mb,
+            host_mounts=image == DEFAULT_IMAGE if host_mounts is None else host_mounts,
+            python=self.options.python,
+            user=self.options.user,
+            file_size_mb=self.config.file_size_mb,
+            open_files=self.config.open_files,
+            run_id=self.options.run_id,
+            start_timeout=self.options.start_timeout,
+        )
+        self.episode_id = episode_id
+        self._container: _Container | None = None
+        self._pool: _Pool | None = None
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+
+    @property
+    def container_id(self) -> str:
+        """The container's id; raises ``SandboxError`` before ``start()`` or after ``close()``."""
+        return self._live().id
+
+    def _live(self) -> _Container:
+        container = self._container
+        if container is None:
+            state = "closed" if self._closed else "not started; call start() first"
+            raise SandboxError(f"the sandbox is {state}")
+        if container.broken:
+            raise SandboxError(f"container {container.id[:12]} is broken: {container.broken}")
+        return container
+
+    async def start(self) -> None:
+        """Take a container from the warm pool (or create one).  Raises ``SandboxError`` if
+        no daemon answers, the image is missing or the container's agent does not start."""
+        async with self._start_lock:
+            if self._closed:
+                raise SandboxError("the sandbox is closed")
+            if self._container is not None:
+                return
+            self._pool = await _pool(self.options, self.spec)
+            self._container = await self._pool.acquire(self.episode_id)
+
+    async def _started(self) -> _Container:
+        if self._container is None and not self._closed:
+            await self.start()
+        return self._live()
+
+    def _inside(self, path: str, *, allow_absolute: bool) -> str:
+        """``path`` as an absolute container path in the working directory (lexically)."""
+        root = self.spec.workdir
+        if posixpath.isabs(path) and not allow_absolute:
+            raise ValueError(f"sandbox path {path!r} must be relative to the working directory")
+        full = posixpath.normpath(posixpath.join(root, path))
+        if full != root and not full.startswith(root + "/"):
+            raise ValueError(f"sandbox path {path!r} is outside the working directory")
+        return full
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        max_output: int | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` in the container (``/bin/sh -c`` for a string, an argv for a list).
+
+        Same contract as ``LocalSandbox.exec``: the process group dies when the command
+        exits, times out or the call is cancelled; ``exit_code`` is the negative signal
+        number when the leader was killed (-9 for a timeout or the OOM killer, whose kill
+        is also noted at the end of ``stderr``); 127 for a command not found.  Raises
+        ``ValueError`` for bad arguments or a ``cwd`` outside the working directory,
+        ``FileNotFoundError`` if ``cwd`` is not a directory, ``SandboxError`` if the
+        container is gone or stopped answering.
+        """
+        container = await self._started()
+        timeout = self.config.timeout if timeout is None else timeout
+        max_output = self.config.max_output if max_output is None else max_output
+        if timeout <= 0:
+            raise ValueError(f"exec timeout must be > 0 seconds, got {timeout}")
+        if max_output <= 0:
+            raise ValueError(f"exec max_output must be > 0 bytes, got {max_output}")
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if not argv:
+            raise ValueError("exec needs a non-empty command")
+        run_dir = self.spec.workdir if cwd is None else self._inside(cwd, allow_absolute=True)
+        environ = {"PATH": _PATH, "HOME": self.spec.workdir, "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
+        if env:
+            environ.update(env)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        msg = {
+            "op": "exec",
+            "argv": argv,
+            "cwd": run_dir,
+            "env": environ,
+            "timeout": timeout,
+            "max_output": max_output,
+            "stdin": None if data is None else base64.b64encode(data).decode("ascii"),
+        }
+        channel = container.channel
+        req_id = channel.new_id()
+        started = time.monotonic()
+        try:
+            reply = await channel.request(msg, req_id=req_id, timeout=timeout + _OUTSIDE_GRACE)
+        except asyncio.CancelledError:
+            channel.post({"op": "kill", "target": req_id, "id": 0})
+            raise
+        except TimeoutError:
+            channel.post({"op": "kill", "target": req_id, "id": 0})
+            container.broken = (
+                f"its agent did not answer within {timeout + _OUTSIDE_GRACE:.1f} s "
+                "(the command's timeout plus a grace period)"
+            )
+            return ExecResult(
+                exit_code=-signal.SIGKILL,
+                stderr=f"[sandbox: no answer from the container: {container.broken}]\n",
+                timed_out=True,
+                duration=time.monotonic() - started,
+            )
+        error = reply.get("error")
+        if error == "cwd":
+            raise FileNotFoundError(f"exec cwd {cwd!r} is not a directory in the sandbox")
+        if error:
+            raise SandboxError(f"container {container.id[:12]} could not run {argv[0]!r}: {error}")
+        out = capture_from(reply["stdout"], max_output)
+        err = capture_from(reply["stderr"], max_output)
+        stderr = err.text()
+        if reply.get("oom"):
+            stderr += (
+                f"\n[sandbox: killed by the out-of-memory killer: the container's memory "
+                f"limit is {self.spec.memory_mb} MiB]\n"
+            )
+        elided = out.elided + err.elided
+        return ExecResult(
+            exit_code=int(reply["exit_code"]),
+            stdout=out.text(),
+            stderr=stderr,
+            timed_out=bool(reply.get("timed_out")),
+            truncated=elided > 0,
+            elided_bytes=elided,
+            duration=time.monotonic() - started,
+        )
+
+    # -- files, through the archive API ---------------------------------------------------
+
+    async def read_file(self, path: str) -> bytes:
+        """Read ``path`` (relative to the working directory); symlinks are followed.
+
+        Raises ``FileNotFoundError`` if missing, ``IsADirectoryError`` for a directory,
+        ``ValueError`` if absolute or escaping.
+        """
+        container = await self._started()
+        target = self._inside(path, allow_absolute=False)
+        return await container.daemon.call(self._read_blocking, container, target, path)
+
+    def _read_blocking(self, container: _Container, target: str, shown: str) -> bytes:
+        import docker.errors
+
+        for _ in range(16):  # symlink hops
+            try:
+                stream, _ = container.daemon.client.get_archive(container.id, target)
+                raw = b"".join(stream)
+            except docker.errors.NotFound:
+                raise FileNotFoundError(f"no file {shown!r} in the sandbox") from None
+            with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+                member = tar.next()
+                if member is None:
+                    raise FileNotFoundError(f"no file {shown!r} in the sandbox")
+                if member.isdir():
+                    raise IsADirectoryError(f"{shown!r} is a directory in the sandbox")
+                if member.issym():
+                    target = posixpath.normpath(
+                        posixpath.join(posixpath.dirname(target), member.linkname)
+                    )
+                    continue
+                fileobj = tar.extractfile(member)
+                if fileobj is None:
+                    raise FileNotFoundError(f"{shown!r} is not a regular file in the sandbox")
+                return fileobj.read()
+        raise FileNotFoundError(f"{shown!r}: too many levels of symbolic links")
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        """Write ``path`` (relative to the working directory), creating parent directories.
+
+        A ``str`` is written as UTF-8.  Raises ``ValueError`` if absolute or escaping.
+        """
+        container = await self._started()
+        target = self._inside(path, allow_absolute=False)
+        rel = posixpath.relpath(target, self.spec.workdir)
+        if rel == ".":
+            raise ValueError(f"sandbox path {path!r} names the working directory")
+        raw = data.encode() if isinstance(data, str) else data
+        buf = io.BytesIO()
+        now = time.time()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(raw), 0o644, now
+            tar.addfile(info, io.BytesIO(raw))
+        ok = await container.daemon.call(
+            container.daemon.client.put_archive, container.id, self.spec.workdir, buf.getvalue()
+        )
+        if not ok:
+            raise SandboxError(f"docker refused to write {path!r} into the sandbox")
+
+    async def snapshot(self) -> bytes:
+        """The working directory as an uncompressed tar archive, member names relative to
+        it (the local sandbox's format, so a snapshot restores on either backend)."""
+        container = await self._started()
+        return await container.daemon.call(self._snapshot_blocking, container)
+
+    def _snapshot_blocking(self, container: _Container) -> bytes:
+        stream, _ = container.daemon.client.get_archive(container.id, self.spec.workdir)
+        raw = b"".join(stream)
+        out = io.BytesIO()
+        with (
+            tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as src,
+            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+        ):
+            for member in src:
+                name = _strip_root(member.name)
+                if name is None:
+                    continue
+                member.name = name
+                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+        return out.getvalue()
+
+    async def restore(self, blob: bytes) -> None:
+        """Replace the working directory's contents with a ``snapshot()`` blob.
+
+        A blob that is not a tar archive, or holds an absolute path, ``..``, a device or a
+        link leaving the directory raises ``ValueError`` before anything is changed.
+        """
+        container = await self._started()
+        _check_blob(blob)
+        reply = await container.channel.request(
+            {"op": "reset", "dirs": [self.spec.workdir], "kill": False}, timeout=30.0
+        )
+        if not reply.get("ok"):
+            raise SandboxError(f"cannot empty the working directory: {reply.get('detail')}")
+        ok = await container.daemon.call(
+            container.daemon.client.put_archive, container.id, self.spec.workdir, blob
+        )
+        if not ok:
+            raise SandboxError("docker refused the snapshot")
+
+    async def close(self) -> None:
+        """Remove the container (or, with ``options.reuse``, reset it and return it to the
+        pool).  Finishes even if the caller is cancelled.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        container, self._container = self._container, None
+        if container is None or self._pool is None:
+            return
+        reuse = self.options.reuse and container.broken is None
+        task = asyncio.ensure_future(self._pool.release(container, reuse=reuse))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+
+
+def _strip_root(name: str) -> str | None:
+    """A member name of docker's archive of the working directory (``workspace/...``),
+    relative to that directory (None: the directory's own entry)."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if len(parts) <= 1:
+        return None
+    return "/".join(parts[1:])
+
+
+def _check_blob(blob: bytes) -> None:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            for member in tar.getmembers():
+                parts = member.name.split("/")
+                if member.name.startswith("/") or ".." in parts:
+                    raise ValueError(f"snapshot member {member.name!r} leaves the directory")
+                try:
+                    tarfile.data_filter(member, "/nonexistent-restore-root")
+                except tarfile.FilterError as exc:
+                    raise ValueError(f"snapshot member {member.name!r} refused: {exc}") from exc
+    except tarfile.TarError as exc:
+        raise ValueError(f"not a usable sandbox snapshot: {exc}") from exc
