@@ -103,6 +103,8 @@ class AgentChannel:
             await self._writer.drain()
             async with asyncio.timeout(timeout):
                 return await fut
+        except TimeoutError:  # (an OSError: must not be taken for a broken pipe)
+            raise
         except (ConnectionError, OSError) as exc:
             self._fail(f"writing to the agent failed: {exc}")
             raise SandboxError(self._reason()) from exc

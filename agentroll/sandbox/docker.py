@@ -258,7 +258,7 @@ def _daemon(opts: DockerOptions) -> _Daemon:
         daemon = _daemons.get(url)
         if daemon is None:
             daemon = _Daemon(url, opts.max_connections, opts.create_rate, opts.create_burst)
-            _install_exit_cleanup()
+            _install_atexit()
             daemon.reaped = _reap(daemon.client)
             if daemon.reaped:
                 log.warning(
@@ -323,9 +323,7 @@ def remove_owned() -> int:
     """Remove every container this process created, at every daemon it used (bulk, by
     owner label).  Runs at interpreter exit and on SIGTERM.  Blocking; never raises."""
     removed = 0
-    with _daemons_lock:
-        daemons = list(_daemons.values())
-    for daemon in daemons:
+    for daemon in list(_daemons.values()):  # no lock: this may run in a signal handler
         try:
             mine = daemon.client.containers(
                 all=True, filters={"label": f"{LABEL_OWNER}={_owner()}"}
@@ -338,28 +336,34 @@ def remove_owned() -> int:
     return removed
 
 
-_cleanup_installed = False
+_atexit_installed = False
+_sigterm_installed = False
 
 
-def _install_exit_cleanup() -> None:
-    global _cleanup_installed
-    if _cleanup_installed:
+def _install_atexit() -> None:
+    global _atexit_installed
+    if not _atexit_installed:
+        _atexit_installed = True
+        atexit.register(remove_owned)
+
+
+def _install_sigterm() -> None:
+    """On SIGTERM with the default action (which skips atexit), remove this process's
+    containers first.  An application that handles SIGTERM itself (the worker does) shuts
+    down normally and atexit runs.  Only from the main thread (signal handlers live there)."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
-    _cleanup_installed = True
-    atexit.register(remove_owned)
-    # A SIGTERM with the default action would skip atexit; an application that handles
-    # SIGTERM itself (the worker does) shuts down normally and atexit runs.
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    ):
+    _sigterm_installed = True
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
 
-        def on_sigterm(signum: int, frame: object) -> None:
-            remove_owned()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+    def on_sigterm(signum: int, frame: object) -> None:
+        remove_owned()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 # ---------------------------------------------------------------------------------------
@@ -599,6 +603,7 @@ _pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Spec, _Pool]]
 
 async def _pool(opts: DockerOptions, spec: _Spec) -> _Pool:
     loop = asyncio.get_running_loop()
+    _install_sigterm()
     daemon = _daemons.get(_resolve_host(opts.docker_host))
     if daemon is None:  # first use: connect (and reap) off the loop
         daemon = await loop.run_in_executor(None, _daemon, opts)
