@@ -80,6 +80,20 @@ def _build_parser() -> argparse.ArgumentParser:
     bst.add_argument("--trajectories", type=int, default=20_000)
     bst.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
 
+    bsb = bsub.add_parser(
+        "sandbox", help="sandbox acquire / cold start / exec latency vs `docker exec` (or sh)"
+    )
+    bsb.add_argument("--backend", choices=["docker", "local"], default="docker")
+    bsb.add_argument("--execs", type=int, default=200, help="timed execs of each kind")
+    bsb.add_argument(
+        "--docker-host",
+        default=None,
+        help="daemon URL (default: $AGENTROLL_DOCKER_HOST, else $DOCKER_HOST, else the "
+        "sandbox's default)",
+    )
+    bsb.add_argument("--acquires", type=int, default=20, help="timed starts from a full pool")
+    bsb.add_argument("--cold-starts", type=int, default=10, help="timed starts without a pool")
+
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
@@ -214,6 +228,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.trajectories < 1 or args.tokens < 9:
                 raise SystemExit("--trajectories must be >= 1 and --tokens >= 9")
             main_stream(args.trajectories, args.tokens)
+        elif args.command == "bench" and args.bench == "sandbox":
+            from agentroll.bench_sandbox import main_sandbox
+
+            for name in ("execs", "acquires", "cold_starts"):
+                if getattr(args, name) < 1:
+                    raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            main_sandbox(
+                args.backend,
+                args.execs,
+                docker_host=args.docker_host,
+                acquires=args.acquires,
+                cold_starts=args.cold_starts,
+            )
         elif args.command == "model" and args.model_command == "create-tiny":
             from agentroll.model.tiny import create_tiny
 

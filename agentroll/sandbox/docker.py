@@ -487,8 +487,13 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
             return create()
         return str(made["Id"])
 
+    creating = asyncio.ensure_future(daemon.call(create))
     try:
-        cid = await daemon.call(create)
+        # Shielded: the daemon creates the container whether or not we still wait for it.
+        cid = await asyncio.shield(creating)
+    except asyncio.CancelledError:
+        creating.add_done_callback(functools.partial(_remove_created, daemon))
+        raise
     except docker.errors.APIError as exc:
         raise SandboxError(f"docker could not create a container of {spec.image}: {exc}") from exc
     try:
@@ -511,6 +516,15 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
     return _Container(daemon, cid, channel)
 
 
+def _remove_created(daemon: _Daemon, creating: asyncio.Future[str]) -> None:
+    """Done-callback of a creation whose caller was cancelled: remove what it made."""
+    if not creating.cancelled() and creating.exception() is None:
+        daemon.executor.submit(_remove_quietly, daemon.client, creating.result())
+
+
+_RETRY_AFTER = (1.0, 5.0, 30.0)  # seconds the pool waits to refill after 1, 2, 3+ failures
+
+
 class _Pool:
     """Warm containers of one spec, for one event loop."""
 
@@ -522,7 +536,8 @@ class _Pool:
         self.filling = 0
         self.tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
-        self.fill_failures = 0
+        self.fill_failures = 0  # in a row; any successful creation resets it
+        self.retry_at = 0.0
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -530,7 +545,7 @@ class _Pool:
         task.add_done_callback(self.tasks.discard)
 
     def refill(self) -> None:
-        if self.closed or self.fill_failures >= 3:
+        if self.closed or time.monotonic() < self.retry_at:
             return
         for _ in range(self.size - len(self.warm) - self.filling):
             self.filling += 1
@@ -540,29 +555,42 @@ class _Pool:
         try:
             container = await _create(self.daemon, self.spec, None)
         except Exception as exc:
-            self.fill_failures += 1
+            self._failed()
             log.warning("warm pool: cannot create a container of %s: %s", self.spec.image, exc)
             return
         finally:
             self.filling -= 1
         self.fill_failures = 0
+        self.retry_at = 0.0
         if self.closed:
             await container.destroy()
         else:
             self.warm.append(container)
 
+    def _failed(self) -> None:
+        self.fill_failures += 1
+        pause = _RETRY_AFTER[min(self.fill_failures, len(_RETRY_AFTER)) - 1]
+        self.retry_at = time.monotonic() + pause
+
     async def acquire(self, episode_id: str | None) -> _Container:
         while self.warm:
             container = self.warm.popleft()
-            self.refill()
-            if await container.healthy():
+            healthy = await container.healthy()
+            self.refill()  # after the ping: its set-up would delay the hand-out
+            if healthy:
                 if episode_id:  # labels are fixed at creation; the name says who has it
                     self._spawn(self._rename(container, episode_id))
                 return container
             log.info("warm pool: container %s failed its health check", container.id[:12])
             self._spawn(container.destroy())
         self.refill()
-        return await _create(self.daemon, self.spec, episode_id)
+        try:
+            container = await _create(self.daemon, self.spec, episode_id)
+        except SandboxError:
+            self._failed()
+            raise
+        self.fill_failures, self.retry_at = 0, 0.0
+        return container
 
     async def _rename(self, container: _Container, episode_id: str) -> None:
         safe = "".join(ch if ch.isalnum() or ch in "_.-" else "-" for ch in episode_id)[:80]
@@ -596,7 +624,7 @@ class _Pool:
         await asyncio.gather(*(c.destroy() for c in warm), return_exceptions=True)
 
 
-_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[_Spec, _Pool]] = (
+_pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[_Spec, int], _Pool]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -608,9 +636,10 @@ async def _pool(opts: DockerOptions, spec: _Spec) -> _Pool:
     if daemon is None:  # first use: connect (and reap) off the loop
         daemon = await loop.run_in_executor(None, _daemon, opts)
     pools = _pools.setdefault(loop, {})
-    pool = pools.get(spec)
+    key = (spec, opts.pool_size)
+    pool = pools.get(key)
     if pool is None or pool.daemon is not daemon:
-        pool = pools[spec] = _Pool(daemon, spec, opts.pool_size)
+        pool = pools[key] = _Pool(daemon, spec, opts.pool_size)
     return pool
 
 
@@ -622,7 +651,7 @@ async def prewarm(config: SandboxConfig, *, timeout: float = 120.0) -> int:
     deadline = time.monotonic() + timeout
     pool.refill()
     while len(pool.warm) < pool.size:
-        if pool.fill_failures >= 3 or time.monotonic() > deadline:
+        if pool.fill_failures >= len(_RETRY_AFTER) or time.monotonic() > deadline:
             raise SandboxError(
                 f"warm pool of {probe.spec.image} holds {len(pool.warm)}/{pool.size} "
                 "containers; see the warnings above"
