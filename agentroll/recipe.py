@@ -84,7 +84,22 @@ class RolloutSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
 class SandboxSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     backend: Literal["local", "docker"] = "local"
     timeout: float | None = None  # None: the environment's own
-    image: str | None = None
+    image: str | None = None  # docker: default agentroll/base:host (host runtime mounted)
+    memory_mb: int | None = None  # None: the environment's own
+    options: dict[str, Any] = {}  # docker only: DockerOptions fields (docker_host, cpus, ...)
+
+    def __post_init__(self) -> None:
+        if self.memory_mb is not None and self.memory_mb < 16:
+            raise ValueError("sandbox.memory_mb must be >= 16")
+        if self.options and self.backend != "docker":
+            raise ValueError("sandbox.options apply to backend = 'docker' only")
+        if self.options:
+            from agentroll.sandbox.docker import DockerOptions
+
+            try:
+                msgspec.convert(self.options, DockerOptions)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"sandbox.options: {exc}".replace("`$.", "`")) from None
 
 
 class SyncSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

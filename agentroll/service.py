@@ -56,9 +56,18 @@ def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
             changes["timeout"] = sb.timeout
         if sb.image is not None:
             changes["image"] = sb.image
+        if sb.memory_mb is not None:
+            changes["memory_mb"] = sb.memory_mb
+        if sb.options:
+            changes["options"] = dict(sb.options)
         config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
     elif sb.backend != "local" or sb.image is not None:
-        config = SandboxConfig(backend=sb.backend, image=sb.image)
+        config = SandboxConfig(
+            backend=sb.backend,
+            image=sb.image,
+            memory_mb=sb.memory_mb or SandboxConfig().memory_mb,
+            options=dict(sb.options),
+        )
     else:
         return env
     # a per-instance override of the class-level default

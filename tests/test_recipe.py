@@ -79,3 +79,31 @@ def test_run_dir_records_the_run(tmp_path: Path) -> None:
     assert "torch" in json.loads((out / "versions.json").read_text())
     with pytest.raises(ConfigError, match="already holds a run"):
         create_run_dir(recipe, run_dir=out)
+
+
+def test_docker_sandbox_settings_reach_the_environment() -> None:
+    from agentroll.service import build_environment
+
+    recipe = parse_recipe(
+        '[sandbox]\nbackend = "docker"\nmemory_mb = 512\n'
+        'options = { docker_host = "unix:///x.sock", pool_size = 4, cpus = 0.5 }\n'
+    )
+    assert parse_recipe(dump_recipe(recipe)) == recipe
+    config = build_environment(recipe).sandbox_config
+    assert config is not None and config.backend == "docker" and config.memory_mb == 512
+    assert config.options == {"docker_host": "unix:///x.sock", "pool_size": 4, "cpus": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('[sandbox]\nbackend = "docker"\noptions = { pool_sise = 4 }', "pool_sise"),
+        ('[sandbox]\nbackend = "docker"\noptions = { cpus = "many" }', "cpus"),
+        ("[sandbox]\noptions = { cpus = 1.0 }", "sandbox.options"),
+        ('[sandbox]\nbackend = "docker"\nmemory_mb = 1', "sandbox.memory_mb"),
+    ],
+)
+def test_sandbox_option_errors_name_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_recipe(text, source="r.toml")
+    assert field in str(info.value), str(info.value)

@@ -287,7 +287,8 @@ async def test_cancellation_propagates_and_closes_sandboxes(
 ) -> None:
     boxes: list[SlowClosing] = []
     monkeypatch.setattr(
-        "agentroll.rollout.open_sandbox", lambda cfg: boxes.append(SlowClosing()) or boxes[-1]
+        "agentroll.rollout.open_sandbox",
+        lambda cfg, **kw: boxes.append(SlowClosing()) or boxes[-1],
     )
 
     class Boxed(Calc):
