@@ -496,6 +496,7 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
         raise
     except docker.errors.APIError as exc:
         raise SandboxError(f"docker could not create a container of {spec.image}: {exc}") from exc
+    channel: AgentChannel | None = None
     try:
         reader, writer = await daemon.attach(cid)
         channel = AgentChannel(reader, writer, multiplexed=True, name=f"container {cid[:12]}")
@@ -504,14 +505,20 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
     except BaseException as exc:
         removal = asyncio.ensure_future(daemon.call(_remove_quietly, client, cid))
         with contextlib.suppress(BaseException):
+            if channel is not None:
+                await channel.close()
             await asyncio.shield(removal)
+        hint = (
+            f" (the sandbox's agent needs python >= 3.8 in the image: is {spec.python!r} on "
+            f"the PATH of {spec.image!r}? set sandbox option python to its path)"
+        )
         if isinstance(exc, docker.errors.APIError):
-            raise SandboxError(f"docker could not start container {cid[:12]}: {exc}") from exc
-        if isinstance(exc, SandboxError):
+            missing = "executable file not found" in str(exc) or "no such file" in str(exc)
             raise SandboxError(
-                f"{exc} (does image {spec.image!r} have {spec.python!r} on PATH? the "
-                "sandbox's agent needs python >= 3.8 in the image; set sandbox option python)"
+                f"docker could not start container {cid[:12]}: {exc}{hint if missing else ''}"
             ) from exc
+        if isinstance(exc, SandboxError):
+            raise SandboxError(f"{exc}{hint}") from exc
         raise
     return _Container(daemon, cid, channel)
 

@@ -408,3 +408,10 @@ async def test_64_concurrent_calculator_episodes_finish_without_leaks() -> None:
     assert all(t.reward == 1.0 for t in trajs)
     assert time.monotonic() - started < 120
     # no_leaks (autouse) checks that nothing is left once the pools are closed
+
+
+async def test_an_image_without_python_says_what_the_agent_needs() -> None:
+    bare = open_sandbox(config(host_mounts=False))  # the empty base image, nothing mounted
+    with pytest.raises(SandboxError, match=r"python >= 3\.8"):
+        await bare.start()
+    await bare.close()
