@@ -129,6 +129,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("envs", help="list the built-in environments")
 
+    sbx = sub.add_parser("sandbox", help="docker sandbox housekeeping")
+    sbsub = sbx.add_subparsers(dest="sandbox_command", required=True)
+    for name, text in (
+        ("ls", "list agentroll's containers at the daemon"),
+        ("reap", "remove containers past their TTL or whose owner process is gone"),
+    ):
+        sp = sbsub.add_parser(name, help=text)
+        sp.add_argument("--docker-host", default=None, help="daemon URL (default: $DOCKER_HOST)")
+
     run = sub.add_parser("run", help="run a recipe end to end (rollout worker + trainer)")
     run.add_argument("recipe", metavar="RECIPE", help="recipe TOML file")
     run.add_argument("--run-dir", default=None, help="run directory (default: under run.out_dir)")
@@ -254,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
                 heads=args.hidden // 64,
             )
             print(f"wrote {out}")
+        elif args.command == "sandbox":
+            from agentroll.sandbox import docker as docker_sandbox
+
+            if args.sandbox_command == "reap":
+                print(f"reaped={docker_sandbox.reap(args.docker_host)}")
+            else:
+                for line in docker_sandbox.describe_containers(args.docker_host):
+                    print(line)
         elif args.command == "run":
             from agentroll.loop import run_recipe
 

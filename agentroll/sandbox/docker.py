@@ -69,6 +69,7 @@ __all__ = [
     "DockerOptions",
     "DockerSandbox",
     "close_pools",
+    "describe_containers",
     "ensure_base_image",
     "list_containers",
     "prewarm",
@@ -281,6 +282,25 @@ def list_containers(docker_host: str | None = None, *, owner: str | None = None)
     client = _daemon(DockerOptions(docker_host=docker_host)).client
     label = LABEL if owner is None else f"{LABEL_OWNER}={_owner() if owner == 'self' else owner}"
     return [c["Id"] for c in client.containers(all=True, filters={"label": label})]
+
+
+def describe_containers(docker_host: str | None = None) -> list[str]:
+    """One line per project container: id, state, age, owner, run, episode.  Blocking."""
+    client = _daemon(DockerOptions(docker_host=docker_host)).client
+    now = time.time()
+    lines = []
+    for c in client.containers(all=True, filters={"label": LABEL}):
+        labels = c.get("Labels") or {}
+        try:
+            age = f"{now - float(labels.get(LABEL_CREATED, now)):.0f}s"
+        except ValueError:
+            age = "?"
+        lines.append(
+            f"{c['Id'][:12]} state={c.get('State', '?')} age={age} "
+            f"owner={labels.get(LABEL_OWNER, '?')} run={labels.get(LABEL_RUN) or '-'} "
+            f"episode={labels.get(LABEL_EPISODE) or '-'}"
+        )
+    return lines
 
 
 def _reap(client: Any) -> int:

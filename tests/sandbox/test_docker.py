@@ -415,3 +415,14 @@ async def test_an_image_without_python_says_what_the_agent_needs() -> None:
     with pytest.raises(SandboxError, match=r"python >= 3\.8"):
         await bare.start()
     await bare.close()
+
+
+async def test_cli_lists_and_reaps(sb: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentroll.cli import main
+
+    assert await asyncio.to_thread(main, ["sandbox", "ls", "--docker-host", HOST]) in (0, None)
+    listed = capsys.readouterr().out
+    assert f"{sb.container_id[:12]} state=running" in listed and "episode=test-episode" in listed
+    assert await asyncio.to_thread(main, ["sandbox", "reap", "--docker-host", HOST]) in (0, None)
+    assert capsys.readouterr().out.startswith("reaped=")
+    assert (await sb.exec("echo still here")).ok  # a live owner's container is kept
