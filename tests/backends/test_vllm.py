@@ -1,0 +1,253 @@
+"""The ``vllm`` backend on vLLM's CPU build (marker ``vllm``): token-in/token-out with
+logprobs, pause/resume policies, versions, weight updates and parity with the built-in
+engine on the project's tiny model.  One engine serves the whole module (about 25 s to
+start on these machines)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from agentroll.backends.base import GenerationRequest, SamplingParams
+from agentroll.backends.vllm import VLLMBackend, vllm_available
+from agentroll.errors import WeightSyncError
+from agentroll.testing import SyntheticTrainer
+
+_WHY = vllm_available()
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="module"),
+    *([pytest.mark.skip(reason=_WHY)] if _WHY else []),
+]
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agentroll.model.tiny import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("vllm-tiny"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def backend(model_dir: Path) -> AsyncIterator[VLLMBackend]:
+    async with VLLMBackend(model_dir, max_model_len=512, max_num_seqs=16) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir: Path) -> SyntheticTrainer:
+    return SyntheticTrainer(model_dir, fraction=0.05, seed=3)
+
+
+class Run(msgspec.Struct):
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[tuple[int, int]]
+    rollbacks: int = 0
+
+
+async def run(
+    backend: VLLMBackend,
+    rid: str,
+    *,
+    max_tokens: int = 32,
+    seed: int = 1,
+    pause_at: int | None = None,
+    policy: Any = "keep",
+    update: Any = None,
+    prompt: list[int] = PROMPT,
+) -> Run:
+    req = GenerationRequest(
+        request_id=rid,
+        prompt_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True),
+    )
+    out = Run([], [], [])
+    async for chunk in backend.generate(req):
+        if chunk.rollback:
+            out.rollbacks += 1
+            del out.ids[-chunk.rollback :], out.logprobs[-chunk.rollback :]
+            del out.versions[-chunk.rollback :]
+        out.ids += chunk.token_ids
+        out.logprobs += chunk.logprobs
+        out.versions += [(chunk.policy_version, chunk.kv_version)] * len(chunk.token_ids)
+        if pause_at is not None and len(out.ids) >= pause_at:
+            pause_at = None
+            await backend.pause(policy)
+            try:
+                if update is not None:
+                    await backend.apply(update)
+            finally:
+                await backend.resume()
+    return out
+
+
+async def test_tokens_logprobs_and_seeds(backend: VLLMBackend) -> None:
+    a = await run(backend, "seed-a")
+    b = await run(backend, "seed-b")
+    c = await run(backend, "seed-c", seed=2)
+    assert len(a.ids) == 32 and a.ids == b.ids and a.logprobs == b.logprobs
+    assert a.ids != c.ids
+    assert all(lp <= 0 for lp in a.logprobs)
+    assert set(a.versions) == {(backend.policy_version, backend.policy_version)}
+
+
+async def test_pause_keep_without_update_changes_nothing(backend: VLLMBackend) -> None:
+    """token_parity_pause: paused and resumed mid-generation equals uninterrupted."""
+    ref = await run(backend, "parity-ref", seed=7)
+    for at in (1, 9, 20):
+        got = await run(backend, f"parity-{at}", seed=7, pause_at=at)
+        assert got.ids == ref.ids
+        assert got.logprobs == ref.logprobs  # bit-identical
+
+
+async def test_recompute_after_an_update_matches_rescoring(
+    backend: VLLMBackend, trainer: SyntheticTrainer
+) -> None:
+    """recompute_rescore: tokens after the resume have the new version on both counts and
+    their logprobs are those of a fresh prefill under the new weights."""
+    v0 = backend.policy_version
+    update = trainer.step()
+    got = await run(backend, "recompute", pause_at=12, policy="recompute", update=update)
+    v1 = backend.policy_version
+    assert v1 == update.version != v0
+    first = got.versions.index((v1, v1))
+    assert set(got.versions[:first]) == {(v0, v0)} and set(got.versions[first:]) == {(v1, v1)}
+    assert 12 <= first <= 14
+    rescored = await backend.prompt_logprobs(PROMPT + got.ids)
+    after = rescored[len(PROMPT) - 1 :][first:]
+    diffs = [abs(x - y) for x, y in zip(after, got.logprobs[first:], strict=True)]
+    before = rescored[len(PROMPT) - 1 :][:first]
+    assert max(diffs) < 1e-4
+    # and the check has teeth: the tokens sampled before the update were not
+    assert max(abs(x - y) for x, y in zip(before, got.logprobs[:first], strict=True)) > 1e-3
+
+
+async def test_keep_after_an_update_keeps_the_old_kv_version(
+    backend: VLLMBackend, trainer: SyntheticTrainer
+) -> None:
+    v0 = backend.policy_version
+    got = await run(backend, "keep", pause_at=10, policy="keep", update=trainer.step())
+    v1 = backend.policy_version
+    first = got.versions.index((v1, v0))
+    assert set(got.versions[:first]) == {(v0, v0)} and set(got.versions[first:]) == {(v1, v0)}
+    fresh = await run(backend, "keep-fresh")
+    assert set(fresh.versions) == {(v1, v1)}  # a new request starts on the new weights
+
+
+async def test_restart_regenerates_the_turn(backend: VLLMBackend) -> None:
+    got = await run(backend, "restart", pause_at=10, policy="restart")
+    assert got.rollbacks == 1 and len(got.ids) == 32
+    ref = await run(backend, "restart-ref")
+    assert got.ids == ref.ids  # same seed, same weights: the same turn again
+
+
+async def test_a_failed_update_keeps_the_old_weights(
+    backend: VLLMBackend, trainer: SyntheticTrainer
+) -> None:
+    before = backend.policy_version
+    ref = await run(backend, "failed-ref")
+    good = trainer.step()
+    first = good.tensors[0]
+    corrupt = msgspec.structs.replace(
+        good, tensors=(msgspec.structs.replace(first, checksum="0" * 32), *good.tensors[1:])
+    )
+    await backend.pause("keep")
+    try:
+        with pytest.raises(WeightSyncError):
+            await backend.apply(corrupt)
+        stale = msgspec.structs.replace(good, base_version=before + 100)
+        with pytest.raises(WeightSyncError):
+            await backend.apply(stale)
+    finally:
+        await backend.resume()  # a pause never outlives a failed update
+    assert backend.policy_version == before
+    again = await run(backend, "failed-again")
+    assert again.ids == ref.ids and again.logprobs == ref.logprobs
+    # the trainer's later update still applies (the good one was never applied)
+    await backend.pause("keep")
+    try:
+        await backend.apply(good)
+    finally:
+        await backend.resume()
+    assert backend.policy_version == good.version
+
+
+async def test_cross_backend_parity_with_the_builtin_engine(
+    backend: VLLMBackend, trainer: SyntheticTrainer, tmp_path: Path
+) -> None:
+    """On the same weights, vLLM's logprobs equal the built-in engine's (fp32), and greedy
+    tokens match."""
+    from safetensors.torch import save_file
+
+    from agentroll.engine.engine import EngineConfig, LLMEngine
+
+    served = tmp_path / "served"
+    served.mkdir()
+    save_file(
+        {n: t.contiguous() for n, t in trainer.state.items()}, str(served / "model.safetensors")
+    )
+    copy_config(Path(backend.model_dir), served)
+    assert backend.policy_version == trainer.version  # the trainer's state is what vLLM serves
+    engine = LLMEngine(EngineConfig(model=str(served), num_blocks=128))
+    greedy = await backend_greedy(backend, 24)
+    ids = PROMPT + greedy
+    ours = engine.score(ids)
+    theirs = await backend.prompt_logprobs(ids)
+    diff = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    assert diff < 1e-3, diff
+    # greedy: each generated token is the argmax of the built-in engine's distribution too
+    ref = engine_greedy(engine, PROMPT, 24)
+    assert greedy == ref
+
+
+def copy_config(source: Path, target: Path) -> None:
+    for item in source.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors"):
+            (target / item.name).write_bytes(item.read_bytes())
+
+
+async def backend_greedy(backend: VLLMBackend, n: int) -> list[int]:
+    req = GenerationRequest(
+        request_id="greedy",
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+    )
+    ids: list[int] = []
+    async for chunk in backend.generate(req):
+        ids += chunk.token_ids
+    return ids
+
+
+def engine_greedy(engine: Any, prompt: list[int], n: int) -> list[int]:
+    engine.add_request(
+        "greedy", list(prompt), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    )
+    out: list[int] = []
+    while len(out) < n:
+        out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
+    return out
+
+
+async def test_a_consumer_that_leaves_aborts_its_request(backend: VLLMBackend) -> None:
+    req = GenerationRequest(
+        request_id="leaver",
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=400, seed=1, ignore_eos=True),
+    )
+    stream = backend.generate(req)
+    got = 0
+    async for chunk in stream:
+        got += len(chunk.token_ids)
+        if got >= 3:
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert backend.llm.output_processor.get_num_unfinished_requests() == 0
+    assert "leaver" not in backend._live
