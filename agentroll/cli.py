@@ -94,6 +94,12 @@ def _build_parser() -> argparse.ArgumentParser:
     bsb.add_argument("--acquires", type=int, default=20, help="timed starts from a full pool")
     bsb.add_argument("--cold-starts", type=int, default=10, help="timed starts without a pool")
 
+    bvl = bsub.add_parser("vllm", help="vllm backend tokens/s vs AsyncLLM.generate directly")
+    bvl.add_argument("--concurrency", type=int, default=16)
+    bvl.add_argument("--max-tokens", type=int, default=64)
+    bvl.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
+    bvl.add_argument("--rounds", type=int, default=5, help="timed rounds of each kind")
+
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
     val.add_argument("--backend", choices=["torch"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
@@ -250,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 acquires=args.acquires,
                 cold_starts=args.cold_starts,
             )
+        elif args.command == "bench" and args.bench == "vllm":
+            from agentroll.bench_vllm import main_vllm
+
+            main_vllm(args.concurrency, args.max_tokens, args.model, args.rounds)
         elif args.command == "model" and args.model_command == "create-tiny":
             from agentroll.model.tiny import create_tiny
 

