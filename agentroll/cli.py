@@ -101,7 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bvl.add_argument("--rounds", type=int, default=5, help="timed rounds of each kind")
 
     val = sub.add_parser("validate", help="learning-semantics checks of a backend")
-    val.add_argument("--backend", choices=["torch"], default="torch")
+    val.add_argument("--backend", choices=["torch", "vllm"], default="torch")
     val.add_argument("--model", default=None, help="checkpoint dir (default: the tiny model)")
     val.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
 
@@ -196,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "validate":
             from agentroll.validate import ensure_tiny_model, run_checks
 
-            results = run_checks(ensure_tiny_model(args.model), device=args.device)
+            if args.backend == "vllm":
+                import asyncio
+
+                from agentroll.validate_vllm import run_vllm_checks
+
+                results = asyncio.run(run_vllm_checks(ensure_tiny_model(args.model)))
+            else:
+                results = run_checks(ensure_tiny_model(args.model), device=args.device)
             for r in results:
                 print(r.line(), flush=True)
             return 0 if all(r.passed for r in results) else 1

@@ -264,3 +264,16 @@ async def test_bench_line(backend: VLLMBackend) -> None:
         r"tokens_per_s=[\d.]+ raw_tokens_per_s=[\d.]+ overhead_ratio=[\d.]+", line
     ), line
     assert result["tokens_per_s"] > 0 and result["raw_tokens_per_s"] > 0
+
+
+async def test_validate_checks_pass(backend: VLLMBackend) -> None:
+    from agentroll.validate_vllm import run_vllm_checks
+
+    results = await run_vllm_checks(Path(backend.model_dir), backend=backend)
+    assert [r.name for r in results] == [
+        "token_parity_pause",
+        "recompute_rescore",
+        "provenance",
+        "cross_backend_parity",
+    ]
+    assert all(r.passed for r in results), [r.line() for r in results]
