@@ -34,12 +34,11 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
 from agentroll.backends.base import (
     Backend,
     GenerationChunk,
@@ -47,7 +46,7 @@ from agentroll.backends.base import (
     ResumePolicy,
     SamplingParams,
 )
-from agentroll.errors import BackendError, WeightSyncError
+from agentroll.errors import BackendError
 
 __all__ = ["VLLMBackend", "vllm_available"]
 
@@ -65,22 +64,14 @@ def vllm_available() -> str | None:
 
 
 class _Live:
-    """What the backend knows of one running request: the versions of its output tokens
-    as epochs ``(first token index, policy_version, kv_version)``."""
+    """One running request: its versions, its vLLM id, and whether to submit it again."""
 
-    __slots__ = ("cutoff", "epochs", "restart", "vid")
+    __slots__ = ("epochs", "restart", "vid")
 
     def __init__(self, version: int) -> None:
-        self.epochs: list[tuple[int, int, int]] = [(0, version, version)]
-        self.cutoff: int | None = None  # tokens vLLM had produced when the pause took hold
+        self.epochs = Epochs(version)
         self.restart = asyncio.Event()
         self.vid = ""
-
-    def versions(self, index: int) -> tuple[int, int]:
-        for start, pv, kv in reversed(self.epochs):
-            if start <= index:
-                return pv, kv
-        return self.epochs[0][1], self.epochs[0][2]
 
 
 class VLLMBackend(Backend):
@@ -116,9 +107,7 @@ class VLLMBackend(Backend):
         self._pause_policy: ResumePolicy = "keep"
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
-        self._store: Any = None  # WeightStore over the host copy of the weights
-        self._weights_dir: Path | None = None  # the checkpoint vLLM serves now
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.weights = HostWeights(self.model_dir)
         self.stats: dict[str, int] = {"version_mismatch": 0, "restarted": 0, "updates": 0}
 
     @property
@@ -159,15 +148,12 @@ class VLLMBackend(Backend):
         except Exception as exc:
             raise BackendError(f"vLLM could not start on {self.model_dir}: {exc}") from exc
         await self.llm.update_weight_version("0")
-        self._weights_dir = self.model_dir
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self.weights.cleanup()
 
     # -- generation ------------------------------------------------------------------------
 
@@ -222,20 +208,10 @@ class VLLMBackend(Backend):
                         )
                         start = len(delivered)
                         delivered.extend(ids)
-                        finish = _finish(comp.finish_reason)
+                        finish = finish_reason(comp.finish_reason)
                         if comp.finish_reason is not None:
-                            self._check_spans(comp, live, len(delivered))
-                        chunks = _split(live, start, ids, lps)
-                        if finish is not None:
-                            if not chunks:
-                                pv, kv = live.versions(len(delivered))
-                                chunks = [
-                                    GenerationChunk(
-                                        token_ids=[], logprobs=[], policy_version=pv, kv_version=kv
-                                    )
-                                ]
-                            chunks[-1].finish_reason = finish
-                        for chunk in chunks:
+                            self._check_spans(comp, live.epochs, len(delivered))
+                        for chunk in live.epochs.split(start, ids, lps, finish):
                             yield chunk
                         if finish is not None:
                             return
@@ -247,7 +223,7 @@ class VLLMBackend(Backend):
                     raise BackendError(f"vLLM ended request {rid!r} without a finish reason")
                 # restart: drop what was delivered, start over from the prompt
                 live.restart.clear()
-                live.epochs = [(0, self._version, self._version)]
+                live.epochs.reset(self._version)
                 self.stats["restarted"] += 1
                 if delivered:
                     yield GenerationChunk(
@@ -268,19 +244,19 @@ class VLLMBackend(Backend):
             except Exception as exc:  # already finished or the engine is gone
                 log.debug("abort of %s: %s", vid, exc)
 
-    def _check_spans(self, comp: Any, live: _Live, n: int) -> None:
+    def _check_spans(self, comp: Any, epochs: Epochs, n: int) -> None:
         """Compare vLLM's version spans (final output) with our epochs' policy versions."""
         spans = getattr(comp, "weight_versions", None)
         if not spans:
             return
-        ours = [(str(live.versions(i)[0]), i) for i in range(n)]
+        ours = [(str(epochs.versions(i)[0]), i) for i in range(n)]
         theirs = [(str(sp.version), i) for sp in spans for i in range(sp.start, sp.end)]
         if ours != theirs:
             self.stats["version_mismatch"] += 1
             log.warning(
                 "vLLM's weight version spans %s disagree with our epochs %s (%d tokens)",
                 spans,
-                live.epochs,
+                epochs.epochs,
                 n,
             )
 
@@ -304,7 +280,7 @@ class VLLMBackend(Backend):
             if state is None:
                 internal = self.llm.output_processor.external_req_ids.get(live.vid) or []
                 state = states.get(internal[0]) if internal else None
-            live.cutoff = None if state is None else state.detokenizer.num_output_tokens()
+            live.epochs.cutoff = None if state is None else state.detokenizer.num_output_tokens()
 
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
         """Continue; per-request ``policies`` override the pause policy.  ``recompute`` and
@@ -318,15 +294,7 @@ class VLLMBackend(Backend):
                 live.restart.set()
                 await self._abort(live.vid)
                 continue
-            cutoff = live.cutoff or 0
-            live.cutoff = None
-            if cutoff == 0:  # nothing computed yet: it starts on the current weights
-                live.epochs = [(0, self._version, self._version)]
-                continue
-            _, pv, kv = live.epochs[-1]
-            new_kv = self._version if policy == "recompute" else kv
-            if (pv, kv) != (self._version, new_kv):
-                live.epochs.append((cutoff, self._version, new_kv))
+            live.epochs.resume(self._version, policy)
         if (
             any((policies or {}).get(rid, self._pause_policy) == "recompute" for rid in self._live)
             and self._pause_policy == "keep"
@@ -343,12 +311,8 @@ class VLLMBackend(Backend):
     # -- weights ---------------------------------------------------------------------------
 
     def _host_store(self) -> Any:
-        if self._store is None:
-            from agentroll.engine.models import read_tensors
-            from agentroll.weights.apply import WeightStore
-
-            self._store = WeightStore(read_tensors(self.model_dir), version=self._version)
-        return self._store
+        """The ``WeightStore`` of the verified host copy of the served weights."""
+        return self.weights.store
 
     async def apply(self, update: Any) -> None:
         """Apply a full or delta ``WeightUpdate`` while paused.  ``WeightSyncError`` leaves
@@ -356,45 +320,11 @@ class VLLMBackend(Backend):
         self._require_started()
         if not self._paused:
             raise BackendError("apply needs a paused backend: `await backend.pause()` first")
-        loop = asyncio.get_running_loop()
-        store = await loop.run_in_executor(None, self._host_store)
-        staged = await loop.run_in_executor(None, store.stage, update)  # verifies checksums
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="agentroll-vllm-weights-")
-        target = Path(self._tmp.name) / f"v{update.version}"
-        await loop.run_in_executor(None, self._write_checkpoint, store, staged.tensors, target)
-        previous = self._weights_dir
-        try:
-            await self._reload(target)
-        except Exception as exc:
-            assert previous is not None
-            try:
-                await self._reload(previous)
-            except Exception as again:  # pragma: no cover - vLLM broken beyond repair
-                raise BackendError(
-                    f"reloading version {self._version} after a failed update failed too: {again}"
-                ) from exc
-            if isinstance(exc, WeightSyncError):
-                raise
-            raise WeightSyncError(f"vLLM could not load version {update.version}: {exc}") from exc
-        store.commit(staged)
-        if previous is not None and previous != self.model_dir:
-            shutil.rmtree(previous, ignore_errors=True)
-        self._weights_dir = target
-        self._version = int(update.version)
+        await self.weights.apply(update, self._reload, "vLLM")
+        self._version = self.weights.version
         self.stats["updates"] += 1
         await self.llm.update_weight_version(str(self._version))
         await self.llm.reset_prefix_cache()
-
-    def _write_checkpoint(self, store: Any, replaced: Mapping[str, Any], target: Path) -> None:
-        from safetensors.torch import save_file
-
-        target.mkdir(parents=True, exist_ok=True)
-        tensors = {n: replaced.get(n, t).contiguous() for n, t in store.tensors.items()}
-        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-        for item in self.model_dir.iterdir():  # config, tokenizer, generation config
-            if item.is_file() and not item.name.endswith((".safetensors", ".index.json")):
-                shutil.copy2(item, target / item.name)
 
     async def _reload(self, directory: Path) -> None:
         await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
@@ -420,25 +350,3 @@ class VLLMBackend(Backend):
         return [
             lp[t].logprob for lp, t in zip(final.prompt_logprobs[1:], token_ids[1:], strict=True)
         ]
-
-
-def _split(live: _Live, start: int, ids: list[int], lps: list[float]) -> list[GenerationChunk]:
-    """Chunks of the tokens ``ids`` (output indexes from ``start``), one per version pair."""
-    chunks: list[GenerationChunk] = []
-    i = 0
-    while i < len(ids):
-        pv, kv = live.versions(start + i)
-        j = i + 1
-        while j < len(ids) and live.versions(start + j) == (pv, kv):
-            j += 1
-        chunks.append(
-            GenerationChunk(token_ids=ids[i:j], logprobs=lps[i:j], policy_version=pv, kv_version=kv)
-        )
-        i = j
-    return chunks
-
-
-def _finish(reason: str | None) -> Any:
-    if reason is None:
-        return None
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, "stop")

@@ -1,0 +1,167 @@
+"""Pieces the two vLLM backends share (``vllm`` in-process, ``http`` to a server).
+
+- ``Epochs``: the versions of one request's output tokens, as ``(first output index,
+  policy_version, kv_version)``; a pause records where the engine had produced tokens, and
+  the resume opens a new epoch there.  ``split`` turns a run of tokens into chunks that
+  each carry one version pair.
+- ``HostWeights``: the verified host copy of the served weights.  ``stage`` applies a
+  ``WeightUpdate`` aside (per-tensor checksums and the model digest checked, as the built-in
+  engine does) and writes the resulting checkpoint; ``reload_into`` has the engine load it
+  and reloads the previous checkpoint if that fails, so a failed update leaves the engine on
+  its old weights; only then is the host copy committed.
+
+No vLLM import here: the engine is reached through the ``reload`` coroutine passed in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from agentroll.backends.base import GenerationChunk
+from agentroll.errors import BackendError, WeightSyncError
+
+
+class Epochs:
+    """Per-request output-token versions; see the module docstring."""
+
+    __slots__ = ("cutoff", "epochs")
+
+    def __init__(self, version: int) -> None:
+        self.epochs: list[tuple[int, int, int]] = [(0, version, version)]
+        self.cutoff: int | None = None  # tokens the engine had produced at the pause
+
+    def reset(self, version: int) -> None:
+        self.epochs = [(0, version, version)]
+        self.cutoff = None
+
+    def versions(self, index: int) -> tuple[int, int]:
+        for start, pv, kv in reversed(self.epochs):
+            if start <= index:
+                return pv, kv
+        return self.epochs[0][1], self.epochs[0][2]
+
+    def resume(self, version: int, policy: str) -> None:
+        """Open the epoch that starts at the recorded cutoff (``keep``: old kv version)."""
+        cutoff = self.cutoff or 0
+        self.cutoff = None
+        if cutoff == 0:  # nothing computed yet: it starts on the current weights
+            self.reset(version)
+            return
+        _, pv, kv = self.epochs[-1]
+        new_kv = version if policy == "recompute" else kv
+        if (pv, kv) != (version, new_kv):
+            self.epochs.append((cutoff, version, new_kv))
+
+    def split(
+        self, start: int, ids: list[int], lps: list[float], finish: Any = None
+    ) -> list[GenerationChunk]:
+        """Chunks of ``ids`` (output indexes from ``start``), one per version pair; the last
+        carries ``finish`` (an empty chunk when there are no tokens)."""
+        chunks: list[GenerationChunk] = []
+        i = 0
+        while i < len(ids):
+            pv, kv = self.versions(start + i)
+            j = i + 1
+            while j < len(ids) and self.versions(start + j) == (pv, kv):
+                j += 1
+            chunks.append(
+                GenerationChunk(
+                    token_ids=ids[i:j], logprobs=lps[i:j], policy_version=pv, kv_version=kv
+                )
+            )
+            i = j
+        if finish is not None:
+            if not chunks:
+                pv, kv = self.versions(start)
+                chunks.append(
+                    GenerationChunk(token_ids=[], logprobs=[], policy_version=pv, kv_version=kv)
+                )
+            chunks[-1].finish_reason = finish
+        return chunks
+
+
+def finish_reason(reason: str | None) -> Any:
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, "stop")
+
+
+class HostWeights:
+    """The verified host copy of what the engine serves, and its checkpoint directories."""
+
+    def __init__(self, model_dir: Path, version: int = 0, root: str | Path | None = None) -> None:
+        self.model_dir = model_dir
+        self.version = version
+        self.served = model_dir  # the checkpoint the engine loaded last
+        self._root = root
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._store: Any = None
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from agentroll.engine.models import read_tensors
+            from agentroll.weights.apply import WeightStore
+
+            self._store = WeightStore(read_tensors(self.model_dir), version=self.version)
+        return self._store
+
+    def _dir(self, version: int) -> Path:
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="agentroll-weights-", dir=self._root)
+        return Path(self._tmp.name) / f"v{version}"
+
+    def stage(self, update: Any) -> tuple[Any, Path]:
+        """Verify ``update`` on the host copy (``WeightSyncError``) and write the checkpoint
+        it leads to.  Blocking: run it off the event loop."""
+        from safetensors.torch import save_file
+
+        store = self.store
+        staged = store.stage(update)
+        target = self._dir(int(update.version))
+        target.mkdir(parents=True, exist_ok=True)
+        tensors = {n: staged.tensors.get(n, t).contiguous() for n, t in store.tensors.items()}
+        save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+        for item in self.model_dir.iterdir():  # config, tokenizer, generation config
+            if item.is_file() and not item.name.endswith((".safetensors", ".index.json")):
+                shutil.copy2(item, target / item.name)
+        return staged, target
+
+    async def apply(
+        self, update: Any, reload: Callable[[Path], Awaitable[None]], what: str
+    ) -> None:
+        """Stage ``update``, have the engine ``reload`` it, commit.  On a failed reload the
+        previous checkpoint is reloaded and ``WeightSyncError`` raised (nothing changed)."""
+        loop = asyncio.get_running_loop()
+        staged, target = await loop.run_in_executor(None, self.stage, update)
+        previous = self.served
+        try:
+            await reload(target)
+        except Exception as exc:
+            shutil.rmtree(target, ignore_errors=True)
+            try:
+                await reload(previous)
+            except Exception as again:  # pragma: no cover - the engine is broken
+                raise BackendError(
+                    f"{what}: reloading version {self.version} after a failed update failed "
+                    f"too: {again}"
+                ) from exc
+            raise WeightSyncError(f"{what} could not load version {update.version}: {exc}") from exc
+        self.store.commit(staged)
+        if previous != self.model_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.served = target
+        self.version = int(update.version)
+
+    def cleanup(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def tensors(self) -> Mapping[str, Any]:
+        return dict(self.store.tensors)
