@@ -1,0 +1,214 @@
+"""The ``http`` backend.  Faults (retries, refusals, an unreachable server) run against an
+httpx mock transport; the semantics (versions, pause policies, weight updates) against a
+real vLLM OpenAI server on vLLM's CPU build (marker ``vllm``, one server per module)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+
+from agentroll.backends.base import GenerationRequest, SamplingParams
+from agentroll.backends.http import HTTPBackend, serve_vllm
+from agentroll.backends.vllm import vllm_available
+from agentroll.errors import BackendError, WeightSyncError
+from agentroll.testing import SyntheticTrainer
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+
+
+def request(rid: str, max_tokens: int = 4, seed: int = 1) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=rid,
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True),
+    )
+
+
+class Run(msgspec.Struct):
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[tuple[int, int]]
+    rollbacks: int = 0
+
+
+async def run(
+    backend: HTTPBackend,
+    req: GenerationRequest,
+    *,
+    pause_at: int | None = None,
+    policy: Any = "keep",
+    update: Any = None,
+) -> Run:
+    out = Run([], [], [])
+    async for chunk in backend.generate(req):
+        if chunk.rollback:
+            out.rollbacks += 1
+            del out.ids[-chunk.rollback :], out.logprobs[-chunk.rollback :]
+            del out.versions[-chunk.rollback :]
+        out.ids += chunk.token_ids
+        out.logprobs += chunk.logprobs
+        out.versions += [(chunk.policy_version, chunk.kv_version)] * len(chunk.token_ids)
+        if pause_at is not None and len(out.ids) >= pause_at:
+            pause_at = None
+            await backend.pause(policy)
+            try:
+                if update is not None:
+                    await backend.apply(update)
+            finally:
+                await backend.resume()
+    return out
+
+
+# -- faults, on a mock transport ------------------------------------------------------------
+
+
+def sse(tokens: list[int]) -> bytes:
+    events = []
+    for k, tok in enumerate(tokens):
+        choice = {
+            "token_ids": [tok],
+            "logprobs": {"token_logprobs": [-0.5]},
+            "finish_reason": "length" if k == len(tokens) - 1 else None,
+        }
+        events.append(f"data: {json.dumps({'choices': [choice]})}\n\n")
+    events.append("data: [DONE]\n\n")
+    return "".join(events).encode()
+
+
+def mock(responses: list[Any]) -> tuple[httpx.MockTransport, list[str]]:
+    seen: list[str] = []
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        seen.append(req.url.path)
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        item = responses.pop(0) if len(responses) > 1 else responses[0]
+        if isinstance(item, int):
+            return httpx.Response(item, text=f"status {item}")
+        if isinstance(item, Exception):
+            raise item
+        return httpx.Response(200, content=item, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handle), seen
+
+
+async def test_5xx_and_connection_errors_are_retried_then_succeed() -> None:
+    transport, seen = mock([503, httpx.ConnectError("refused"), sse([5, 6, 7, 8])])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+        got = await run(backend, request("r"))
+    assert got.ids == [5, 6, 7, 8] and got.logprobs == [-0.5] * 4
+    assert seen.count("/v1/completions") == 3 and backend.stats["retries"] == 2
+
+
+async def test_a_server_that_keeps_failing_fails_the_call_with_a_clear_error() -> None:
+    transport, _ = mock([500])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.01, retries=2) as b:
+        with pytest.raises(BackendError, match=r"failed 3 times in a row; last error: HTTP 500"):
+            await run(b, request("r"))
+
+
+async def test_a_refusal_is_not_retried() -> None:
+    transport, seen = mock([400])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+        with pytest.raises(BackendError, match="refused"):
+            await run(backend, request("r"))
+    assert seen.count("/v1/completions") == 1
+
+
+async def test_an_unreachable_server_fails_at_start() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens after the with block
+    backend = HTTPBackend(f"http://127.0.0.1:{port}", retries=1, backoff=0.01)
+    with pytest.raises(BackendError, match="failed after 2 attempts"):
+        await backend.start()
+    await backend.close()
+
+
+async def test_a_broken_stream_is_resubmitted_with_what_arrived() -> None:
+    half = sse([5, 6]).replace(b'"length"', b"null").replace(b"data: [DONE]\n\n", b"")
+    transport, _ = mock([half, sse([7, 8])])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+        got = await run(backend, request("r"))
+    assert got.ids == [5, 6, 7, 8] and backend.stats["resubmitted"] == 1
+
+
+# -- a real vLLM server ----------------------------------------------------------------------
+
+_WHY = vllm_available()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from agentroll.model.tiny import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("http-tiny"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(model_dir: Path) -> AsyncIterator[HTTPBackend]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with (
+        serve_vllm(model_dir, port=port, max_model_len=512) as url,
+        HTTPBackend(url, model_dir=model_dir) as backend,
+    ):
+        yield backend
+
+
+@pytest.mark.vllm
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
+async def test_server_semantics(server: HTTPBackend, model_dir: Path) -> None:
+    """One engine start for all of it: seeds, pause parity, recompute rescoring, keep
+    versions, restart, a failed update."""
+    trainer = SyntheticTrainer(model_dir, fraction=0.05, seed=5)
+    a = await run(server, request("a", 24))
+    b = await run(server, request("b", 24))
+    assert a.ids == b.ids and len(a.ids) == 24 and set(a.versions) == {(0, 0)}
+    paused = await run(server, request("p", 24), pause_at=9)
+    assert paused.ids == a.ids and paused.logprobs == a.logprobs
+
+    got = await run(
+        server, request("rc", 32), pause_at=10, policy="recompute", update=trainer.step()
+    )
+    assert server.policy_version == 1
+    first = got.versions.index((1, 1))
+    assert set(got.versions[:first]) == {(0, 0)} and set(got.versions[first:]) == {(1, 1)}
+    rescored = (await server.prompt_logprobs(PROMPT + got.ids))[len(PROMPT) - 1 :]
+    assert (
+        max(abs(x - y) for x, y in zip(rescored[first:], got.logprobs[first:], strict=True)) < 1e-4
+    )
+
+    kept = await run(server, request("k", 32), pause_at=10, policy="keep", update=trainer.step())
+    first = kept.versions.index((2, 1))
+    assert set(kept.versions[:first]) == {(1, 1)} and set(kept.versions[first:]) == {(2, 1)}
+
+    restarted = await run(server, request("rs", 24), pause_at=8, policy="restart")
+    assert restarted.rollbacks == 1 and len(restarted.ids) == 24
+    assert set(restarted.versions) == {(2, 2)}
+
+    good = trainer.step()
+    corrupt = msgspec.structs.replace(
+        good,
+        tensors=(msgspec.structs.replace(good.tensors[0], checksum="0" * 32), *good.tensors[1:]),
+    )
+    before = await run(server, request("before", 16))
+    await server.pause("keep")
+    try:
+        with pytest.raises(WeightSyncError):
+            await server.apply(corrupt)
+    finally:
+        await server.resume()
+    assert server.policy_version == 2
+    after = await run(server, request("before", 16))
+    assert after.ids == before.ids and after.logprobs == before.logprobs
