@@ -59,8 +59,11 @@ class WarmupSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fr
 
 
 class BackendSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    kind: Literal["torch", "mock"] = "torch"
+    # torch: the built-in engine; vllm: vLLM in each replica's process; http: one running
+    # vLLM OpenAI server per replica at ``urls`` (started on the recipe's model)
+    kind: Literal["torch", "mock", "vllm", "http"] = "torch"
     replicas: int = 1
+    urls: list[str] = []
     dtype: str = "float32"
     kv_cache_mb: int = 128
     max_num_seqs: int = 64
@@ -154,6 +157,10 @@ class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
             (self.run.steps >= 1, "run.steps must be >= 1"),
             (self.run.timeout > 0, "run.timeout must be > 0 seconds"),
             (self.backend.replicas >= 1, "backend.replicas must be >= 1"),
+            (
+                self.backend.kind != "http" or len(self.backend.urls) == self.backend.replicas,
+                "backend.urls must name one server per replica when backend.kind = 'http'",
+            ),
             (self.rollout.samples_per_task >= 1, "rollout.samples_per_task must be >= 1"),
             (self.rollout.concurrency >= 1, "rollout.concurrency must be >= 1"),
             (self.sampling.temperature > 0, "sampling.temperature must be > 0"),

@@ -76,27 +76,48 @@ def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
 
 
 def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
-    """A ``FleetBackend`` of ``backend.replicas`` built-in engines on ``model_dir``."""
-    from agentroll.backends.torch import TorchBackend
+    """A ``FleetBackend`` of ``backend.replicas`` engines of ``backend.kind`` on
+    ``model_dir`` (built-in engines, vLLM in-process, or vLLM servers at ``backend.urls``)."""
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
 
     b = recipe.backend
-    if b.kind != "torch":
-        raise ConfigError(f"backend.kind {b.kind!r} cannot serve a recipe worker; use 'torch'")
-    replicas = [
-        LocalReplica(
+    engines: list[Backend]
+    if b.kind == "torch":
+        from agentroll.backends.torch import TorchBackend
+
+        engines = [
             TorchBackend(
                 str(model_dir),
                 dtype=b.dtype,
                 kv_cache_mb=b.kv_cache_mb,
                 max_num_seqs=b.max_num_seqs,
                 max_num_batched_tokens=b.prefill_budget,
-            ),
-            name=f"replica-{i}",
+            )
+            for _ in range(b.replicas)
+        ]
+    elif b.kind == "vllm":
+        from agentroll.backends.vllm import VLLMBackend
+
+        engines = [
+            VLLMBackend(
+                model_dir,
+                dtype=b.dtype,
+                max_num_seqs=b.max_num_seqs,
+                kv_cache_gib=max(1.0, b.kv_cache_mb / 1024),
+                seed=recipe.run.seed + i,
+            )
+            for i in range(b.replicas)
+        ]
+    elif b.kind == "http":
+        from agentroll.backends.http import HTTPBackend
+
+        engines = [HTTPBackend(url, model_dir=model_dir) for url in b.urls]
+    else:
+        raise ConfigError(
+            f"backend.kind {b.kind!r} cannot serve a recipe worker; use torch, vllm or http"
         )
-        for i in range(b.replicas)
-    ]
+    replicas = [LocalReplica(e, name=f"replica-{i}") for i, e in enumerate(engines)]
     return FleetBackend(replicas, strategy=recipe.sync.strategy, capacity=b.max_num_seqs)
 
 

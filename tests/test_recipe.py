@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,21 @@ def test_sandbox_option_errors_name_the_field(text: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_recipe(text, source="r.toml")
     assert field in str(info.value), str(info.value)
+
+
+def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
+    from agentroll.backends.http import HTTPBackend
+    from agentroll.backends.vllm import VLLMBackend
+    from agentroll.service import build_backend
+
+    fleet: Any = build_backend(parse_recipe('[backend]\nkind = "vllm"\nreplicas = 2\n'), tmp_path)
+    assert [type(r.backend) for r in fleet.replicas.values()] == [VLLMBackend, VLLMBackend]
+    recipe = parse_recipe(
+        '[backend]\nkind = "http"\nreplicas = 2\n'
+        'urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]\n'
+    )
+    fleet = build_backend(recipe, tmp_path)
+    assert [r.backend.base_url for r in fleet.replicas.values()] == recipe.backend.urls
+    assert all(isinstance(r.backend, HTTPBackend) for r in fleet.replicas.values())
+    with pytest.raises(ConfigError, match=r"backend\.urls"):
+        parse_recipe('[backend]\nkind = "http"\nreplicas = 2\nurls = ["http://x"]\n')

@@ -10,9 +10,11 @@ Pause/resume and weights use vLLM's RL endpoints (the server runs with
 ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep`` freezes requests; at ``resume`` the
 backend waits until no event has arrived for a moment (a frozen engine produces none, so
 what came was produced before the pause), cuts each request's version epoch there, and
-``POST /resume``.  ``recompute`` also calls ``/reset_prefix_cache?reset_running_requests=true``
-so running requests re-prefill under the new weights; ``restart`` closes the request's
-stream (the server aborts it) and submits it again.  ``apply`` verifies the update on a host
+``POST /resume``.  ``recompute`` closes the request's stream (the server aborts it) and
+submits prompt + tokens so far again, a fresh prefill under the new weights (a server-side
+``/reset_prefix_cache?reset_running_requests=true`` was tried and did not re-prefill running
+requests: their post-resume logprobs were those of the old KV); ``restart`` closes the stream
+and submits the prompt again.  ``apply`` verifies the update on a host
 copy of the checkpoint (``model_dir``), writes the checkpoint where the server can read it
 (same machine or shared filesystem: ``weights_dir``) and calls ``/collective_rpc``
 ``reload_weights``; a failure reloads the previous checkpoint and keeps the old version.
@@ -74,11 +76,12 @@ class _Stream:
 
 
 class _Live:
-    __slots__ = ("epochs", "restart", "stream")
+    __slots__ = ("epochs", "recompute", "restart", "stream")
 
     def __init__(self, version: int) -> None:
         self.epochs = Epochs(version)
-        self.restart = False
+        self.restart = False  # resume: drop the turn, submit the prompt again
+        self.recompute = False  # resume: submit prompt + tokens so far again
         self.stream: _Stream | None = None
 
 
@@ -292,6 +295,12 @@ class HTTPBackend(Backend):
                         stream.task.cancel()  # closes the stream: the server aborts it
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await stream.task
+                if live.recompute and error is None:
+                    # a fresh prefill of prompt + tokens so far under the current weights
+                    live.recompute = False
+                    live.epochs.cutoff = len(delivered)
+                    live.epochs.resume(self._version, "recompute")
+                    continue
                 if live.restart:
                     live.restart = False
                     live.epochs.reset(self._version)
@@ -346,21 +355,18 @@ class HTTPBackend(Backend):
             return
         try:
             await self._quiet()
-            recompute = False
             for rid, live in self._live.items():
                 policy = (policies or {}).get(rid, self._pause_policy)
-                if policy == "restart":
-                    live.restart = True
+                if policy in ("restart", "recompute"):
+                    # close the stream (the server aborts the request); what already
+                    # arrived is delivered, then generate() submits it again
+                    live.restart = policy == "restart"
+                    live.recompute = policy == "recompute"
                     if live.stream is not None and live.stream.task is not None:
                         live.stream.task.cancel()
                     continue
                 live.epochs.cutoff = live.stream.produced if live.stream is not None else 0
                 live.epochs.resume(self._version, policy)
-                recompute |= policy == "recompute"
-            if recompute:
-                await self._call(
-                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-                )
         finally:
             await self._call("POST", "/resume")
             self._paused = False

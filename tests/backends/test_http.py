@@ -67,6 +67,24 @@ async def run(
     return out
 
 
+async def concurrent(backend: HTTPBackend, tag: str, policy: str, update: Any) -> list[Run]:
+    """Eight 450-token turns (prompt ``PROMPT + [i + 20]``); when the first has 3 tokens:
+    pause, apply, resume."""
+    import asyncio
+
+    async def one(i: int) -> Run:
+        req = GenerationRequest(
+            request_id=f"{tag}-{i}",
+            prompt_ids=PROMPT + [i + 20],
+            sampling=SamplingParams(max_tokens=450, seed=i, ignore_eos=True),
+        )
+        if i == 0:
+            return await run(backend, req, pause_at=3, policy=policy, update=update)
+        return await run(backend, req)
+
+    return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+
 # -- faults, on a mock transport ------------------------------------------------------------
 
 
@@ -178,24 +196,35 @@ async def test_server_semantics(server: HTTPBackend, model_dir: Path) -> None:
     paused = await run(server, request("p", 24), pause_at=9)
     assert paused.ids == a.ids and paused.logprobs == a.logprobs
 
-    got = await run(
-        server, request("rc", 32), pause_at=10, policy="recompute", update=trainer.step()
-    )
-    assert server.policy_version == 1
-    first = got.versions.index((1, 1))
-    assert set(got.versions[:first]) == {(0, 0)} and set(got.versions[first:]) == {(1, 1)}
-    rescored = (await server.prompt_logprobs(PROMPT + got.ids))[len(PROMPT) - 1 :]
-    assert (
-        max(abs(x - y) for x, y in zip(rescored[first:], got.logprobs[first:], strict=True)) < 1e-4
-    )
+    # several long turns at once: the server is fast on the tiny model and may finish one
+    # turn before the pause holds; the ones still running must carry the new versions
+    for policy, tag in (("recompute", "rc"), ("keep", "k")):
+        for attempt in range(3):  # the pause must land mid-turn; the fast server may win
+            v0 = server.policy_version
+            runs = await concurrent(server, f"{tag}{attempt}", policy, trainer.step())
+            v1 = server.policy_version
+            assert v1 == v0 + 1
+            kv_after = v1 if policy == "recompute" else v0
+            spanning = [r for r in runs if (v1, kv_after) in r.versions]
+            for r in runs:
+                first = r.versions.index((v1, kv_after)) if r in spanning else len(r.versions)
+                assert set(r.versions[:first]) <= {(v0, v0)}
+                assert set(r.versions[first:]) <= {(v1, kv_after)}
+            if spanning:
+                break
+        assert spanning, [sorted(set(r.versions)) for r in runs]
+        if policy == "recompute":
+            r = spanning[0]
+            prompt = PROMPT + [runs.index(r) + 20]
+            first = r.versions.index((v1, v1))
+            rescored = (await server.prompt_logprobs(prompt + r.ids))[len(prompt) - 1 :]
+            diffs = [abs(x - y) for x, y in zip(rescored[first:], r.logprobs[first:], strict=True)]
+            assert max(diffs) < 1e-4
 
-    kept = await run(server, request("k", 32), pause_at=10, policy="keep", update=trainer.step())
-    first = kept.versions.index((2, 1))
-    assert set(kept.versions[:first]) == {(1, 1)} and set(kept.versions[first:]) == {(2, 1)}
-
+    v = server.policy_version
     restarted = await run(server, request("rs", 24), pause_at=8, policy="restart")
     assert restarted.rollbacks == 1 and len(restarted.ids) == 24
-    assert set(restarted.versions) == {(2, 2)}
+    assert set(restarted.versions) == {(v, v)}
 
     good = trainer.step()
     corrupt = msgspec.structs.replace(
@@ -209,6 +238,6 @@ async def test_server_semantics(server: HTTPBackend, model_dir: Path) -> None:
             await server.apply(corrupt)
     finally:
         await server.resume()
-    assert server.policy_version == 2
+    assert server.policy_version == v
     after = await run(server, request("before", 16))
     assert after.ids == before.ids and after.logprobs == before.logprobs

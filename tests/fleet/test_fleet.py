@@ -458,11 +458,13 @@ async def test_strategy_under_load(make: Make, updates: list[Any], strategy: str
         async def two_updates(engine: RolloutEngine) -> list[SyncReport]:
             reports = []
             for update in updates[:2]:
-                await traffic.wait(traffic.busy(calls=6))
+                await traffic.wait(traffic.busy(calls=4))
                 reports.append(await fleet.update(update, policies=engine.pauses.policies))
             return reports
 
-        trajs, reports = await run_episodes(fleet, traffic, two_updates, episodes=32)
+        # 48 episodes: under CI load a slow first update once let 32 finish before the
+        # second trigger
+        trajs, reports = await run_episodes(fleet, traffic, two_updates, episodes=48)
         assert_quiet(fleet)
 
     assert all(r.version == 2 for r in fleet.replicas.values())
