@@ -12,7 +12,8 @@ process group), ``ping``, ``reset`` (kill every other process, empty directories
 
 Invariants: stdlib only and Python >= 3.8 (it runs on whatever python3 the image has; it
 never imports agentroll); each exec runs in its own session and process group, SIGKILLed
-when the command exits, when its timeout passes (a timer, not polling) or on ``kill``;
+when the command exits, when its timeout passes (a waiting thread, not polling) or on
+``kill``; threads and processes are retried for a moment when the pids limit is full;
 output is captured in bounded memory per stream (head and tail kept, the total counted);
 children get ``oom_score_adj`` 1000, so under the container's memory limit the kernel kills
 a command before the agent; the agent exits on stdin EOF (its owner went away) and, through
@@ -71,6 +72,21 @@ class _Capture:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+def _start(target: Any, *args: Any) -> threading.Thread:
+    """Start a daemon thread, waiting up to 3 s while the container's pids limit is full
+    (threads count against it; a killed fork bomb takes a moment to be reaped)."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        try:
+            thread.start()
+            return thread
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _pump(fd: int, capture: _Capture) -> None:
@@ -175,7 +191,10 @@ class Agent:
             op = msg.get("op")
             if op == "exec" or op == "reset":
                 target = self.run_exec if op == "exec" else self.run_reset
-                threading.Thread(target=target, args=(msg,), daemon=True).start()
+                try:
+                    _start(target, msg)
+                except RuntimeError as exc:  # the pids limit stays full: answer, keep serving
+                    self.send({"id": msg.get("id"), "error": f"RuntimeError: {exc}"})
             elif op == "kill":
                 self.kill(msg["target"])
             elif op == "ping":
@@ -210,16 +229,7 @@ class Agent:
         oom_before = _oom_kills()
         started = time.monotonic()
         try:
-            proc = subprocess.Popen(
-                (_SHIM + argv) if self.shim else argv,
-                stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=cwd,
-                env=msg["env"],
-                start_new_session=True,
-                close_fds=True,
-            )
+            proc = self._spawn(argv, data is not None, cwd, msg["env"])
         except OSError as exc:  # only without /bin/sh: report like a shell would
             code = 126 if isinstance(exc, PermissionError) else 127
             text = f"{argv[0]}: {exc.strerror}\n".encode()
@@ -229,30 +239,39 @@ class Agent:
             _killpg(proc.pid)
         out, err = _Capture(limit), _Capture(limit)
         assert proc.stdout is not None and proc.stderr is not None
-        threads = [
-            threading.Thread(target=_pump, args=(proc.stdout.fileno(), out), daemon=True),
-            threading.Thread(target=_pump, args=(proc.stderr.fileno(), err), daemon=True),
-        ]
-        for t in threads:
-            t.start()
-        if data is not None:
-            assert proc.stdin is not None
-            stdin_fd = os.dup(proc.stdin.fileno())
-            proc.stdin.close()
-            threading.Thread(target=_feed, args=(stdin_fd, data), daemon=True).start()
+        try:
+            threads = [_start(_pump, proc.stdout.fileno(), out)]
+            threads.append(_start(_pump, proc.stderr.fileno(), err))
+            if data is not None:
+                assert proc.stdin is not None
+                stdin_fd = os.dup(proc.stdin.fileno())
+                proc.stdin.close()
+                _start(_feed, stdin_fd, data)
+        except BaseException:
+            _killpg(proc.pid)
+            proc.wait()
+            self.procs.pop(exec_id, None)
+            raise
         expired = threading.Event()
+        exited = threading.Event()
 
         def expire() -> None:
-            expired.set()
-            _killpg(proc.pid)
+            if not exited.wait(float(msg["timeout"])):
+                expired.set()
+                _killpg(proc.pid)
 
-        timer = threading.Timer(float(msg["timeout"]), expire)
-        timer.daemon = True
-        timer.start()
+        try:
+            _start(expire)
+        except RuntimeError:
+            exited.set()
+            _killpg(proc.pid)
+            proc.wait()
+            self.procs.pop(exec_id, None)
+            raise
         try:
             proc.wait()
         finally:
-            timer.cancel()
+            exited.set()
             _killpg(proc.pid)  # what the command left running in its group dies with it
             self.procs.pop(exec_id, None)
         deadline = time.monotonic() + _GRACE
@@ -272,6 +291,28 @@ class Agent:
             "stdout": out.parts(),
             "stderr": err.parts(),
         }
+
+    def _spawn(
+        self, argv: list[str], with_stdin: bool, cwd: str, env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """Popen, retried for up to 3 s on EAGAIN (the pids limit is full for a moment)."""
+        deadline = time.monotonic() + 3.0
+        while True:
+            try:
+                return subprocess.Popen(
+                    (_SHIM + argv) if self.shim else argv,
+                    stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def run_reset(self, msg: dict[str, Any]) -> None:
         try:
