@@ -45,6 +45,34 @@ class Epochs:
                 return pv, kv
         return self.epochs[0][1], self.epochs[0][2]
 
+    def restart(self, version: int, delivered: int) -> list[GenerationChunk]:
+        """The turn starts over on ``version``: what the consumer must be told (a
+        ``rollback`` of the ``delivered`` tokens, if any)."""
+        self.reset(version)
+        if not delivered:
+            return []
+        return [
+            GenerationChunk(
+                token_ids=[],
+                logprobs=[],
+                policy_version=version,
+                kv_version=version,
+                rollback=delivered,
+            )
+        ]
+
+    def policy_spans(self, n: int) -> list[tuple[int, int, int]]:
+        """``(policy_version, start, end)`` runs over the first ``n`` output tokens."""
+        spans: list[tuple[int, int, int]] = []
+        starts = [e for e in self.epochs if e[0] < n]
+        for k, (start, pv, _) in enumerate(starts):
+            end = starts[k + 1][0] if k + 1 < len(starts) else n
+            if spans and spans[-1][0] == pv:
+                spans[-1] = (pv, spans[-1][1], end)
+            elif end > start:
+                spans.append((pv, start, end))
+        return spans
+
     def resume(self, version: int, policy: str) -> None:
         """Open the epoch that starts at the recorded cutoff (``keep``: old kv version)."""
         cutoff = self.cutoff or 0

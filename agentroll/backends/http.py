@@ -303,16 +303,9 @@ class HTTPBackend(Backend):
                     continue
                 if live.restart:
                     live.restart = False
-                    live.epochs.reset(self._version)
                     self.stats["restarted"] += 1
-                    if delivered:
-                        yield GenerationChunk(
-                            token_ids=[],
-                            logprobs=[],
-                            policy_version=self._version,
-                            kv_version=self._version,
-                            rollback=len(delivered),
-                        )
+                    for chunk in live.epochs.restart(self._version, len(delivered)):
+                        yield chunk
                     delivered = []
                     continue
                 retryable = error is None or not (

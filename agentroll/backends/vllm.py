@@ -223,16 +223,9 @@ class VLLMBackend(Backend):
                     raise BackendError(f"vLLM ended request {rid!r} without a finish reason")
                 # restart: drop what was delivered, start over from the prompt
                 live.restart.clear()
-                live.epochs.reset(self._version)
                 self.stats["restarted"] += 1
-                if delivered:
-                    yield GenerationChunk(
-                        token_ids=[],
-                        logprobs=[],
-                        policy_version=self._version,
-                        kv_version=self._version,
-                        rollback=len(delivered),
-                    )
+                for chunk in live.epochs.restart(self._version, len(delivered)):
+                    yield chunk
                 delivered = []
         finally:
             self._live.pop(rid, None)
@@ -249,8 +242,8 @@ class VLLMBackend(Backend):
         spans = getattr(comp, "weight_versions", None)
         if not spans:
             return
-        ours = [(str(epochs.versions(i)[0]), i) for i in range(n)]
-        theirs = [(str(sp.version), i) for sp in spans for i in range(sp.start, sp.end)]
+        ours = [(str(pv), start, end) for pv, start, end in epochs.policy_spans(n)]
+        theirs = [(str(sp.version), sp.start, sp.end) for sp in spans if sp.end > sp.start]
         if ours != theirs:
             self.stats["version_mismatch"] += 1
             log.warning(
