@@ -68,6 +68,23 @@ class BackendSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, f
     kv_cache_mb: int = 128
     max_num_seqs: int = 64
     prefill_budget: int = 1024  # tokens of prefill per engine step (bounds pause latency)
+    # vllm: how updates reach the engine (reload: a verified checkpoint; nccl / sparse_nccl:
+    # vLLM's NCCL transfer from transfer_devices[i], a CUDA device per replica, not vLLM's)
+    weight_transfer: Literal["reload", "nccl", "sparse_nccl"] = "reload"
+    transfer_devices: list[str] = []
+    # vllm / http: after an update, compare vLLM's digests of what it serves (None: for
+    # checkpoints under 4 GiB) and rescore this many fixed tokens (0: no probe)
+    verify_served: bool | None = None
+    probe_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.weight_transfer != "reload" and (
+            self.kind != "vllm" or len(self.transfer_devices) != self.replicas
+        ):
+            raise ValueError(
+                f"weight_transfer={self.weight_transfer!r} needs kind='vllm' and one of "
+                f"transfer_devices per replica ({self.replicas}), e.g. ['cuda:1']"
+            )
 
 
 class SamplingSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -106,13 +106,26 @@ def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
                 max_num_seqs=b.max_num_seqs,
                 kv_cache_gib=max(1.0, b.kv_cache_mb / 1024),
                 seed=recipe.run.seed + i,
+                transfer=b.weight_transfer,
+                transfer_device=b.transfer_devices[i] if b.transfer_devices else "cuda:1",
+                verify_served=b.verify_served,
+                probe_tokens=b.probe_tokens,
             )
             for i in range(b.replicas)
         ]
     elif b.kind == "http":
         from agentroll.backends.http import HTTPBackend
 
-        engines = [HTTPBackend(url, model_dir=model_dir) for url in b.urls]
+        engines = [
+            HTTPBackend(
+                url,
+                model_dir=model_dir,
+                dtype=b.dtype,
+                verify_served=b.verify_served,
+                probe_tokens=b.probe_tokens,
+            )
+            for url in b.urls
+        ]
     else:
         raise ConfigError(
             f"backend.kind {b.kind!r} cannot serve a recipe worker; use torch, vllm or http"

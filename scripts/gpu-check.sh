@@ -3,7 +3,9 @@
 # for a lent GPU machine; not run on the CPU development machines.
 #   1. the built-in engine's learning-semantics checks on cuda, and the tests marked gpu;
 #   2. vLLM on CUDA: the official vllm==0.32.0 build, then `validate --backend vllm`,
-#      `bench vllm` and the vllm-marked tests (in-process and OpenAI-server backends).
+#      `bench vllm` and the vllm-marked tests (in-process and OpenAI-server backends), then
+#      the CUDA-only vLLM tests: full served-weight verification, and the NCCL weight
+#      transfers when there are two GPUs (skipped, and said so, on one).
 # Every result line goes to gpu-results.txt (override with GPU_RESULTS=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ make venv
 
 echo "==> built-in engine on cuda" | tee -a "$out"
 .venv/bin/agentroll validate --backend torch --device cuda 2>&1 | tee -a "$out"
-AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -m gpu 2>&1 | tail -n 5 | tee -a "$out"
+AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -m gpu tests/engine 2>&1 | tail -n 5 | tee -a "$out"
 
 echo "==> vLLM on cuda (the official build)" | tee -a "$out"
 # vllm 0.32 is built against torch 2.13: it keeps the venv's torch when that is a CUDA build
@@ -24,4 +26,8 @@ echo "==> vLLM on cuda (the official build)" | tee -a "$out"
 .venv/bin/agentroll validate --backend vllm 2>&1 | grep '^check=' | tee -a "$out"
 .venv/bin/agentroll bench vllm --concurrency 16 --max-tokens 64 2>/dev/null | tee -a "$out"
 AGENTROLL_REQUIRE=vllm .venv/bin/pytest -q -m vllm tests/backends 2>&1 | tail -n 5 | tee -a "$out"
+# every served parameter verified after an update (CUDA keeps checkpoint layout), and the
+# NCCL transfers (nccl, sparse_nccl: marker gpu2, they need a second GPU for the sender)
+AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -rs -m "gpu or gpu2" tests/backends/test_vllm_gpu.py 2>&1 \
+    | tail -n 6 | tee -a "$out"
 echo "==> results in $out"

@@ -126,3 +126,16 @@ def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
     assert all(isinstance(r.backend, HTTPBackend) for r in fleet.replicas.values())
     with pytest.raises(ConfigError, match=r"backend\.urls"):
         parse_recipe('[backend]\nkind = "http"\nreplicas = 2\nurls = ["http://x"]\n')
+    recipe = parse_recipe(
+        '[backend]\nkind = "vllm"\nreplicas = 2\nweight_transfer = "sparse_nccl"\n'
+        'transfer_devices = ["cuda:2", "cuda:3"]\nprobe_tokens = 0\nverify_served = false\n'
+    )
+    fleet = build_backend(recipe, tmp_path)
+    engines = [r.backend for r in fleet.replicas.values()]
+    assert [(e.transfer, e.transfer_device) for e in engines] == [
+        ("sparse_nccl", "cuda:2"),
+        ("sparse_nccl", "cuda:3"),
+    ]
+    assert all(e.check.probe_tokens == 0 and not e.check.verify_served for e in engines)
+    with pytest.raises(ConfigError, match="transfer_devices"):
+        parse_recipe('[backend]\nkind = "vllm"\nweight_transfer = "nccl"\n')

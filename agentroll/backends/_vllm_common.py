@@ -7,8 +7,10 @@
 - ``HostWeights``: the verified host copy of the served weights.  ``stage`` applies a
   ``WeightUpdate`` aside (per-tensor checksums and the model digest checked, as the built-in
   engine does) and writes the resulting checkpoint; ``reload_into`` has the engine load it
-  and reloads the previous checkpoint if that fails, so a failed update leaves the engine on
-  its old weights; only then is the host copy committed.
+  and reloads the previous checkpoint if that fails (or if ``verify`` finds the engine
+  serving other bytes), so a failed update leaves the engine on its old weights; only then is
+  the host copy committed.  ``push`` is the same without a checkpoint on disk, for transfers
+  that move tensors (NCCL): a failure sends the old tensors back.
 
 No vLLM import here: the engine is reached through the ``reload`` coroutine passed in.
 """
@@ -161,15 +163,35 @@ class HostWeights:
         return staged, target
 
     async def apply(
-        self, update: Any, reload: Callable[[Path], Awaitable[None]], what: str
+        self,
+        update: Any,
+        reload: Callable[[Path], Awaitable[None]],
+        what: str,
+        verify: Callable[[Mapping[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
-        """Stage ``update``, have the engine ``reload`` it, commit.  On a failed reload the
-        previous checkpoint is reloaded and ``WeightSyncError`` raised (nothing changed)."""
-        loop = asyncio.get_running_loop()
-        staged, target = await loop.run_in_executor(None, self.stage, update)
+        """Stage ``update``, have the engine ``reload`` it, ``verify`` what it serves against
+        the staged tensors (every tensor of the model), commit.  On a failed reload or
+        verification the previous checkpoint is reloaded and ``WeightSyncError`` raised
+        (nothing changed)."""
+        staged, target = await asyncio.to_thread(self.stage, update)
+        await self.install(update, staged, target, reload, what, verify)
+
+    async def install(
+        self,
+        update: Any,
+        staged: Any,
+        target: Path,
+        reload: Callable[[Path], Awaitable[None]],
+        what: str,
+        verify: Callable[[Mapping[str, Any]], Awaitable[None]] | None = None,
+    ) -> None:
+        """The second half of ``apply``, for an update ``stage`` prepared earlier (while the
+        engine kept generating)."""
         previous = self.served
         try:
             await reload(target)
+            if verify is not None:
+                await verify({**self.store.tensors, **staged.tensors})
         except Exception as exc:
             shutil.rmtree(target, ignore_errors=True)
             try:
@@ -184,6 +206,33 @@ class HostWeights:
         if previous != self.model_dir:
             shutil.rmtree(previous, ignore_errors=True)
         self.served = target
+        self.version = int(update.version)
+
+    async def push(
+        self,
+        update: Any,
+        send: Callable[[Mapping[str, Any], Mapping[str, Any]], Awaitable[None]],
+        what: str,
+        verify: Callable[[Mapping[str, Any]], Awaitable[None]] | None = None,
+    ) -> None:
+        """Like ``apply`` without a checkpoint on disk: ``send(new, old)`` moves the staged
+        tensors (and the ones they replace) into the engine; a failure sends ``old`` back."""
+        staged = await asyncio.to_thread(self.store.stage, update)
+        old = {name: self.store.tensors[name] for name in staged.tensors}
+        try:
+            await send(staged.tensors, old)
+            if verify is not None:
+                await verify({**self.store.tensors, **staged.tensors})
+        except Exception as exc:
+            try:
+                await send(old, staged.tensors)
+            except Exception as again:  # pragma: no cover - the engine is broken
+                raise BackendError(
+                    f"{what}: sending version {self.version} back after a failed update failed "
+                    f"too: {again}"
+                ) from exc
+            raise WeightSyncError(f"{what} could not load version {update.version}: {exc}") from exc
+        self.store.commit(staged)
         self.version = int(update.version)
 
     def cleanup(self) -> None:

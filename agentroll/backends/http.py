@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
+from agentroll.backends._vllm_transfer import CheckedBackend, ServedCheck
 from agentroll.backends.base import (
     Backend,
     GenerationChunk,
@@ -85,7 +86,7 @@ class _Live:
         self.stream: _Stream | None = None
 
 
-class HTTPBackend(Backend):
+class HTTPBackend(CheckedBackend, Backend):
     """A vLLM OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8000``).
 
     ``model_dir`` is the checkpoint the server was started on (needed for weight updates);
@@ -106,7 +107,16 @@ class HTTPBackend(Backend):
         timeout: float = 600.0,
         weights_dir: str | Path | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        dtype: str | None = None,
+        verify_served: bool | None = None,
+        probe_tokens: int = 32,
+        probe_tolerance: float | None = None,
     ) -> None:
+        """With ``model_dir`` (the checkpoint the server runs) updates are applied by
+        checkpoint reloads; ``dtype`` is the one the server runs (None: the checkpoint's),
+        for ``verify_served`` (vLLM's digests of what it serves, compared with the verified
+        host tensors; needs ``VLLM_SERVER_DEV_MODE=1``) and the rescoring probe
+        (``probe_tokens``, ``probe_tolerance``), as in the ``vllm`` backend."""
         self._transport = transport  # tests: an httpx.MockTransport
         self.base_url = base_url.rstrip("/")
         self.model_dir = Path(model_dir).resolve() if model_dir is not None else None
@@ -125,6 +135,19 @@ class HTTPBackend(Backend):
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.stats: dict[str, int] = {"retries": 0, "resubmitted": 0, "restarted": 0}
+        self._broken: str | None = None
+        self._probe_due = False
+        if self.model_dir is not None:
+            if dtype is None:
+                config = json.loads((self.model_dir / "config.json").read_text())
+                dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+            self.check = ServedCheck(
+                self.model_dir,
+                dtype,
+                verify=verify_served,
+                probe_tokens=probe_tokens,
+                tolerance=probe_tolerance,
+            )
 
     @property
     def policy_version(self) -> int:
@@ -254,6 +277,7 @@ class HTTPBackend(Backend):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream ``request``'s tokens; see the module docstring for versions and faults."""
         self._require_started()
+        self._require_serving()
         rid = request.request_id
         if rid in self._live:
             raise BackendError(f"request id {rid!r} is already running on this backend")
@@ -363,6 +387,9 @@ class HTTPBackend(Backend):
         finally:
             await self._call("POST", "/resume")
             self._paused = False
+        if self._probe_due:
+            self._probe_due = False
+            await self._probe()
 
     async def _quiet(self) -> None:
         deadline = time.monotonic() + 2.0
@@ -383,8 +410,10 @@ class HTTPBackend(Backend):
             raise BackendError("weight updates need model_dir: the checkpoint the server runs")
         if not self._paused:
             raise BackendError("apply needs a paused backend: `await backend.pause()` first")
-        await self.weights.apply(update, self._reload, f"the server at {self.base_url}")
+        verify = self._verify if self.check.verify_served else None
+        await self.weights.apply(update, self._reload, f"the server at {self.base_url}", verify)
         self._version = self.weights.version
+        self._probe_due = self.check.probe_tokens > 0
         with contextlib.suppress(BackendError):  # informational on the server side
             await self._call(
                 "POST", "/update_weight_version", json={"new_version": str(self._version)}
@@ -397,6 +426,12 @@ class HTTPBackend(Backend):
             json={"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
         )
         await self._call("POST", "/reset_prefix_cache")
+
+    async def _verify(self, expected: Mapping[str, Any]) -> None:
+        out = await self._call(
+            "POST", "/collective_rpc", json={"method": "compute_weight_checksums"}
+        )
+        await self.check.verify(out["results"], expected)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probabilities of ``token_ids[1:]`` under the served weights (a fresh prefill)."""

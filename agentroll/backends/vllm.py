@@ -14,12 +14,23 @@ consumer is told to drop the tokens it already got, ``rollback``).
 
 Weight updates (``apply``, while paused): the update is applied to a host copy of the
 checkpoint and verified there (per-tensor checksums and the model digest, as the built-in
-engine does), the result is written as a safetensors checkpoint and vLLM reloads it
-(``collective_rpc("reload_weights")``, which also works on CPU where vLLM repacks linear
-weights); a failed reload is rolled back by reloading the previous checkpoint, so the
-backend keeps serving the old version.  The prefix cache is cleared on every update.
-``prompt_logprobs`` rescores a sequence under the served weights (the tests compare it
-with the built-in engine's ``score`` on the same weights).
+engine does).  Then, with ``transfer="reload"`` (the default, CPU and GPU), the result is
+written as a safetensors checkpoint and vLLM reloads it (``collective_rpc("reload_weights")``,
+which also works on CPU where vLLM repacks linear weights); with ``nccl`` / ``sparse_nccl``
+the tensors (dense) or the changed elements (sparse) go through vLLM's weight-transfer
+engines from a second CUDA device (``_vllm_transfer.NCCLSender``).  Then vLLM's digests of
+what it serves are compared with the verified host tensors (every parameter on CUDA; on CPU
+the repacked linear weights cannot be, see ``_vllm_transfer``).  A failed load or
+verification is rolled back (the previous checkpoint reloaded, or the old tensors sent
+back), so the backend keeps serving the old version.  The prefix cache is cleared on every
+update.  ``stage`` / ``swap`` split this for the fleet's ``background`` strategy: verify and
+write the checkpoint while generating, reload at a token boundary.
+
+The first resume after an update runs the rescoring probe: fixed tokens scored by vLLM
+(``prompt_logprobs``) and by the built-in engine's model code on the verified host tensors.
+It covers what the digests cannot see (repacked weights, a kernel that reads stale memory).
+A failure raises from ``resume`` (after generation resumed) and takes the backend out of
+service; ``recover`` reloads the verified weights and probes again.
 
 Invariants: a chunk's tokens share one policy version and one kv version; every request
 started is aborted in vLLM when its consumer goes away; ``resume`` runs even when an update
@@ -36,9 +47,10 @@ import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
+from agentroll.backends._vllm_transfer import CheckedBackend, ServedCheck
 from agentroll.backends.base import (
     Backend,
     GenerationChunk,
@@ -46,7 +58,7 @@ from agentroll.backends.base import (
     ResumePolicy,
     SamplingParams,
 )
-from agentroll.errors import BackendError
+from agentroll.errors import BackendError, WeightSyncError
 
 __all__ = ["VLLMBackend", "vllm_available"]
 
@@ -74,7 +86,7 @@ class _Live:
         self.vid = ""
 
 
-class VLLMBackend(Backend):
+class VLLMBackend(CheckedBackend, Backend):
     """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory."""
 
     name = "vllm"
@@ -91,7 +103,23 @@ class VLLMBackend(Backend):
         seed: int = 0,
         enable_prefix_caching: bool = True,
         engine_kwargs: Mapping[str, Any] | None = None,
+        transfer: Literal["reload", "nccl", "sparse_nccl"] = "reload",
+        transfer_device: str = "cuda:1",
+        verify_served: bool | None = None,
+        probe_tokens: int = 32,
+        probe_tolerance: float | None = None,
     ) -> None:
+        """``transfer``: how updates reach vLLM: ``reload`` (a verified checkpoint vLLM
+        reloads; CPU and GPU), ``nccl`` / ``sparse_nccl`` (vLLM's weight-transfer engines,
+        sent from ``transfer_device``, a CUDA device other than vLLM's).  ``verify_served``:
+        compare vLLM's per-parameter digests with the verified host tensors after each
+        update (None: when the checkpoint is under 4 GiB; it hashes every weight).
+        ``probe_tokens``: after each update, the first resume rescores that many fixed
+        tokens in vLLM and with the built-in engine's model code on the verified host
+        tensors; a difference over ``probe_tolerance`` (None: 1e-3 in fp32, 0.1 otherwise)
+        fails the resume and takes the backend out of service (0: no probe)."""
+        if transfer not in ("reload", "nccl", "sparse_nccl"):
+            raise ValueError(f"unknown transfer {transfer!r}; use reload, nccl or sparse_nccl")
         self.model_dir = Path(model).resolve()
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -108,6 +136,18 @@ class VLLMBackend(Backend):
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.weights = HostWeights(self.model_dir)
+        self.transfer, self.transfer_device = transfer, transfer_device
+        self.check = ServedCheck(
+            self.model_dir,
+            dtype,
+            verify=verify_served,
+            probe_tokens=probe_tokens,
+            tolerance=probe_tolerance,
+        )
+        self._sender: Any = None
+        self._staged: tuple[Any, Any, Path] | None = None
+        self._probe_due = False
+        self._broken: str | None = None
         self.stats: dict[str, int] = {"version_mismatch": 0, "restarted": 0, "updates": 0}
 
     @property
@@ -131,6 +171,9 @@ class VLLMBackend(Backend):
             raise BackendError(f"vllm does not import here: {type(exc).__name__}: {exc}") from exc
 
         dtype: Any = self.dtype  # vLLM's Literal of dtype names; it validates the value
+        extra: dict[str, Any] = dict(self.engine_kwargs)
+        if self.transfer != "reload":
+            extra.setdefault("weight_transfer_config", {"backend": self.transfer})
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=dtype,
@@ -141,15 +184,28 @@ class VLLMBackend(Backend):
             enforce_eager=True,
             enable_prefix_caching=self.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
-            **self.engine_kwargs,
+            **extra,
         )
         try:
             self.llm = AsyncLLM.from_engine_args(args)
         except Exception as exc:
             raise BackendError(f"vLLM could not start on {self.model_dir}: {exc}") from exc
         await self.llm.update_weight_version("0")
+        if self.transfer != "reload":
+            from agentroll.backends._vllm_transfer import NCCLSender
+
+            try:
+                sender = NCCLSender(self.llm, self.transfer, device=self.transfer_device)
+                await sender.start(self._host_store().tensors)
+            except BaseException:
+                await self.close()
+                raise
+            self._sender = sender
 
     async def close(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            await sender.close()
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.shutdown()
@@ -179,6 +235,7 @@ class VLLMBackend(Backend):
         """Stream ``request``'s tokens (see the module docstring for the versions)."""
         if self.llm is None:
             raise BackendError("the vllm backend is not started; use `async with backend:`")
+        self._require_serving()
         from vllm import TokensPrompt
 
         rid = request.request_id
@@ -197,6 +254,7 @@ class VLLMBackend(Backend):
                     async for out in stream:
                         if live.restart.is_set():  # resume aborted it: whatever is left goes
                             break
+                        self._require_serving()
                         comp = out.outputs[0]
                         ids = list(comp.token_ids)
                         if not ids and comp.finish_reason is None:
@@ -296,6 +354,9 @@ class VLLMBackend(Backend):
             await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.resume_generation()
         self._paused = False
+        if self._probe_due:
+            self._probe_due = False
+            await self._probe()
 
     def _require_started(self) -> None:
         if self.llm is None:
@@ -313,15 +374,74 @@ class VLLMBackend(Backend):
         self._require_started()
         if not self._paused:
             raise BackendError("apply needs a paused backend: `await backend.pause()` first")
-        await self.weights.apply(update, self._reload, "vLLM")
+        verify = self._verify if self.check.verify_served else None
+        if self._sender is None:
+            await self.weights.apply(update, self._reload, "vLLM", verify)
+        else:
+            await self.weights.push(update, self._send, "vLLM", verify)
+        await self._installed()
+
+    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+        """Verify ``update`` on the host copy and write its checkpoint while generation goes
+        on (the fleet's ``background`` strategy); ``swap`` then reloads it at a token
+        boundary.  ``WeightSyncError`` when the staged tensors need more than ``max_bytes``
+        or the update does not verify (nothing changes)."""
+        self._require_started()
+        if self._sender is not None:
+            raise BackendError("background staging needs transfer='reload'")
+        need = self._host_store().staging_bytes(update)
+        if max_bytes is not None and need > max_bytes:
+            raise WeightSyncError(
+                f"a background update needs {need / 2**20:.1f} MiB for its staged copy but "
+                f"only {max_bytes / 2**20:.1f} MiB may be used; use the pause or rolling strategy"
+            )
+        staged, target = await asyncio.to_thread(self.weights.stage, update)
+        self._staged = (update, staged, target)
+
+    async def swap(self) -> int:
+        """Reload the staged update at a token boundary (requests keep their KV); returns
+        the new version.  A failed reload leaves the old weights (``WeightSyncError``)."""
+        self._require_started()
+        if self._staged is None:
+            raise BackendError("nothing is staged; call `await backend.stage(update)` first")
+        (update, staged, target), self._staged = self._staged, None
+        was_paused = self._paused
+        if not was_paused:
+            await self.pause("keep")
+        try:
+            verify = self._verify if self.check.verify_served else None
+            await self.weights.install(update, staged, target, self._reload, "vLLM", verify)
+            await self._installed()
+        finally:
+            if not was_paused:
+                await self.resume()
+        return self._version
+
+    async def _installed(self) -> None:
         self._version = self.weights.version
         self.stats["updates"] += 1
         await self.llm.update_weight_version(str(self._version))
         await self.llm.reset_prefix_cache()
+        self._probe_due = self.check.probe_tokens > 0
 
     async def _reload(self, directory: Path) -> None:
         await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
         await self.llm.reset_prefix_cache()
+
+    async def _send(self, new: Mapping[str, Any], old: Mapping[str, Any]) -> None:
+        """NCCL transfer of the tensors ``new`` replaces (``old``): the whole model (dense)
+        or the changed elements (sparse)."""
+        from agentroll.backends._vllm_transfer import sparse_patches
+
+        if self.transfer == "nccl":
+            await self._sender.send_dense({**self._host_store().tensors, **new})
+        else:
+            await self._sender.send_sparse(sparse_patches(old, new))
+        await self.llm.reset_prefix_cache()
+
+    async def _verify(self, expected: Mapping[str, Any]) -> None:
+        """vLLM's per-parameter digests against ``expected`` (``WeightSyncError``)."""
+        await self.check.verify(await self.llm.compute_weight_checksums(), expected)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probabilities (plain softmax) of ``token_ids[1:]`` under the served weights,

@@ -206,3 +206,9 @@ async def test_server_semantics(server: HTTPBackend, tiny_model: Path) -> None:
     assert server.policy_version == v
     after = await run(server, request("before", 16))
     assert after.ids == before.ids and after.logprobs == before.logprobs
+    # every applied update was checked in the server: vLLM's digests of what it serves (the
+    # CPU build repacks linear weights, so 9 of 17 parameters are comparable) and the probe
+    checked = server.check.last_verified
+    assert checked is not None and checked.checked == 9 and len(checked.unverifiable) == 8
+    assert server.check.probes >= 2
+    assert server.check.last_probe_diff is not None and server.check.last_probe_diff <= 1e-4

@@ -16,7 +16,7 @@ from streams import Run, consume
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.vllm import VLLMBackend, vllm_available
-from agentroll.errors import WeightSyncError
+from agentroll.errors import BackendError, WeightSyncError
 from agentroll.testing import SyntheticTrainer
 
 _WHY = vllm_available()
@@ -154,6 +154,56 @@ async def test_a_failed_update_keeps_the_old_weights(
     assert backend.policy_version == good.version
 
 
+async def _apply(backend: VLLMBackend, update: Any) -> None:
+    await backend.pause("keep")
+    try:
+        await backend.apply(update)
+    finally:
+        await backend.resume()
+
+
+async def test_an_update_is_verified_in_vllm_and_probed(
+    backend: VLLMBackend, trainer: SyntheticTrainer
+) -> None:
+    probes = backend.check.probes
+    await _apply(backend, trainer.step())
+    checked = backend.check.last_verified
+    # vLLM's CPU build repacks linear weights (it reports them empty); everything else is
+    # compared byte for byte: embedding, head, final norm, and per layer 2 norms + qkv bias
+    assert checked.checked == 9
+    assert len(checked.unverifiable) == 8
+    assert set(checked.unverifiable.values()) == {"repacked by the engine (CPU)"}
+    # ... and the linear weights are covered by the rescoring probe
+    assert backend.check.probes == probes + 1
+    assert backend.check.last_probe_diff is not None and backend.check.last_probe_diff <= 1e-4
+
+
+async def test_served_bytes_that_differ_from_the_update_are_rolled_back(
+    backend: VLLMBackend, trainer: SyntheticTrainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = backend.policy_version
+    ref = await run(backend, "served-ref")
+    stale, real = backend.weights.served, backend._reload
+
+    async def wrong(directory: Path) -> None:  # vLLM "loads" the old checkpoint, whatever
+        await real(stale)
+
+    monkeypatch.setattr(backend, "_reload", wrong)
+    update = trainer.step()
+    await backend.pause("keep")
+    try:
+        with pytest.raises(WeightSyncError, match="differ from the verified weights"):
+            await backend.apply(update)
+    finally:
+        await backend.resume()
+    monkeypatch.undo()
+    assert backend.policy_version == before
+    again = await run(backend, "served-again")
+    assert again.ids == ref.ids and again.logprobs == ref.logprobs
+    await _apply(backend, update)  # the real load then succeeds
+    assert backend.policy_version == update.version
+
+
 async def test_cross_backend_parity_with_the_builtin_engine(
     backend: VLLMBackend, trainer: SyntheticTrainer
 ) -> None:
@@ -216,47 +266,116 @@ async def test_validate_checks_pass(backend: VLLMBackend) -> None:
     assert all(r.passed for r in results), [r.line() for r in results]
 
 
-async def test_zz_a_fleet_of_vllm_replicas_syncs(backend: VLLMBackend) -> None:
-    """The fleet drives vLLM replicas unchanged (pause strategy).  Runs last: closing the
-    fleet closes the module's engine."""
-    import asyncio
-    import itertools
-
+def synced_trainer(backend: VLLMBackend, seed: int) -> SyntheticTrainer:
+    """A trainer whose next update applies to what the backend serves now (validate's
+    checks apply updates of their own)."""
     from agentroll.weights.exporter import WeightExporter
 
-    trainer = SyntheticTrainer(backend.model_dir, fraction=0.05, seed=9)
+    trainer = SyntheticTrainer(backend.model_dir, fraction=0.05, seed=seed)
     trainer.state = {k: v.clone() for k, v in backend.weights.store.tensors.items()}
     trainer.exporter = WeightExporter(lambda: trainer.state, version=backend.policy_version)
+    return trainer
+
+
+async def test_a_failed_probe_takes_the_backend_out_of_service_until_recovered(
+    backend: VLLMBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = synced_trainer(backend, seed=5)
+    stale, real = backend.weights.served, backend._reload
+
+    async def wrong(directory: Path) -> None:
+        await real(stale)
+
+    monkeypatch.setattr(backend, "_reload", wrong)
+    monkeypatch.setattr(backend.check, "verify_served", False)  # only the probe can see it now
+    await backend.pause("keep")
+    try:
+        await backend.apply(trainer.step())
+    finally:
+        with pytest.raises(WeightSyncError, match="rescoring probe"):
+            await backend.resume()
+    assert not backend._paused
+    assert backend.check.last_probe_diff is not None and backend.check.last_probe_diff > 1e-3
+    with pytest.raises(BackendError, match="out of service"):
+        await run(backend, "after-a-failed-probe")
+    monkeypatch.undo()
+    await backend.recover()  # the verified weights again, verified and probed
+    assert backend.check.last_probe_diff <= 1e-4
+    fine = await run(backend, "after-recover")
+    assert len(fine.ids) == 32
+
+
+async def _fleet_round(fleet: Any, trainer: SyntheticTrainer, strategy: str) -> list[Any]:
+    """Six 48-token episodes; once one has 8 tokens the trainer's next update goes out with
+    ``strategy``.  Returns each episode's (policy, kv) versions per token, then the report."""
+    import asyncio
+
+    reached = asyncio.Event()
+
+    async def one(i: int) -> list[tuple[int, int]]:
+        req = GenerationRequest(
+            request_id=f"fleet-{strategy}-{i}",
+            prompt_ids=PROMPT + [i + 10],
+            sampling=SamplingParams(max_tokens=48, seed=i, ignore_eos=True),
+        )
+        versions: list[tuple[int, int]] = []
+        async for chunk in fleet.generate(req):
+            versions += [(chunk.policy_version, chunk.kv_version)] * len(chunk.token_ids)
+            if len(versions) >= 8:
+                reached.set()
+        return versions
+
+    async def sync() -> Any:
+        await reached.wait()
+        return await fleet.update(trainer.step(), strategy=strategy)
+
+    return list(await asyncio.gather(*(one(i) for i in range(6)), sync()))
+
+
+async def test_zz_a_fleet_of_two_vllm_replicas_syncs_with_every_strategy(
+    backend: VLLMBackend,
+) -> None:
+    """The fleet drives vLLM replicas unchanged: pause, rolling and background updates while
+    episodes generate on two replicas (vLLM cannot hand a request's KV over, so the fleet
+    moves none).  Runs last: closing the fleet closes the module's engine."""
+    import itertools
 
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
 
-    fleet = FleetBackend([LocalReplica(backend, name="vllm-0")], strategy="pause")
+    trainer = synced_trainer(backend, seed=9)
+    second = VLLMBackend(backend.model_dir, max_model_len=512, max_num_seqs=16)
+    await second.start()
+    await _apply(second, trainer.exporter.full())  # the same weights and version as the first
+    assert second.policy_version == backend.policy_version
+    fleet = FleetBackend(
+        [LocalReplica(backend, name="vllm-0"), LocalReplica(second, name="vllm-1")],
+        strategy="pause",
+    )
     async with fleet:
-        v0 = backend.policy_version
-        reached = asyncio.Event()
-
-        async def one(i: int) -> list[tuple[int, int]]:
-            req = GenerationRequest(
-                request_id=f"fleet-{i}",
-                prompt_ids=PROMPT + [i + 10],
-                sampling=SamplingParams(max_tokens=32, seed=i, ignore_eos=True),
+        for strategy in ("pause", "rolling", "background"):
+            v0 = backend.policy_version
+            *runs, report = await _fleet_round(fleet, trainer, strategy)
+            v1 = v0 + 1
+            assert report.failed == {}, (strategy, report)
+            assert backend.policy_version == second.policy_version == v1, strategy
+            for versions in runs:
+                assert len(versions) == 48 and versions[0] == (v0, v0), strategy
+                assert all(b >= a for a, b in itertools.pairwise(versions)), strategy
+                assert all(kv <= pv for pv, kv in versions), strategy
+            if strategy != "rolling":  # in-flight episodes continue on the new weights
+                assert any(v[0] == v1 for versions in runs for v in versions), strategy
+            # (rolling moves a group's calls to replicas still on the old version: vLLM has
+            # no KV hand-over, so they move by re-prefilling what was delivered)
+            after = await consume(
+                fleet,
+                GenerationRequest(
+                    request_id=f"fleet-{strategy}-after",
+                    prompt_ids=PROMPT,
+                    sampling=SamplingParams(max_tokens=8, seed=1, ignore_eos=True),
+                ),
             )
-            versions: list[tuple[int, int]] = []
-            async for chunk in fleet.generate(req):
-                versions += [(chunk.policy_version, chunk.kv_version)] * len(chunk.token_ids)
-                if len(versions) >= 8:
-                    reached.set()
-            return versions
-
-        async def sync() -> Any:
-            await reached.wait()
-            return await fleet.update(trainer.step())
-
-        *runs, report = await asyncio.gather(*(one(i) for i in range(4)), sync())
-    v1 = backend.policy_version
-    assert v1 == v0 + 1 and report.failed == {}
-    for versions in runs:
-        assert len(versions) == 32 and versions[0] == (v0, v0)
-        assert all(b >= a for a, b in itertools.pairwise(versions))
-    assert any(v[0] == v1 for versions in runs for v in versions)
+            assert set(after.versions) == {(v1, v1)}, strategy
+    # both replicas served what the trainer sent, verified on their side
+    for replica in (backend, second):
+        assert replica.check.last_verified is not None and replica.check.last_verified.checked
