@@ -336,7 +336,7 @@ class _LoopClient:
     def start_weight_update(self) -> None:
         self._run(self.llm.start_weight_update())
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         self._run(self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
@@ -345,20 +345,23 @@ class _LoopClient:
         self._run(self.llm.finish_weight_update(weight_version))
 
 
-class _TensorSource:
-    """A ``WeightSource`` over a fixed ``name -> tensor`` map, moved to ``device`` lazily."""
+def _tensor_source(tensors: Mapping[str, torch.Tensor], device: torch.device) -> Any:
+    """A vLLM ``WeightSource`` over a ``name -> tensor`` map, moved to ``device`` lazily;
+    ``.tensors`` is replaced before each send."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        self.tensors, self.device = dict(tensors), device
+    class TensorSource(WeightSource):
+        def __init__(self) -> None:
+            self.tensors = dict(tensors)
 
-    def metadata(self) -> list[Any]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
 
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in self.tensors.items():
+                yield name, t.to(device)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self.tensors.items():
-            yield name, t.to(self.device, non_blocking=False)
+    return TensorSource()
 
 
 class NCCLSender:
@@ -388,7 +391,7 @@ class NCCLSender:
         self.device = torch.device(device)
         self.master_address, self.master_port = master_address, master_port
         self._engine: Any = None
-        self._source: _TensorSource | None = None
+        self._source: Any = None
 
     async def start(self, tensors: Mapping[str, torch.Tensor]) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -400,16 +403,16 @@ class NCCLSender:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
             info: Any = NCCLTrainerInitInfo(
-                master_address=self.master_address, master_port=port, world_size=2
+                master_address=self.master_address, master_port=port, world_size=2, rank=0
             )
-            self._source = _TensorSource(tensors, self.device)
+            self._source = _tensor_source(tensors, self.device)
         else:
             from vllm.distributed.weight_transfer.sparse_nccl_engine import (
                 SparseNCCLTrainerInitInfo,
             )
 
             info = SparseNCCLTrainerInitInfo(
-                master_address=self.master_address, master_port=port, world_size=2
+                master_address=self.master_address, master_port=port, world_size=2, rank=0
             )
 
         def init() -> Any:
