@@ -483,7 +483,9 @@ async def serve_vllm(
         *(extra_args or []),
     ]  # fmt: skip
     # the server's log goes to a file: a pipe nobody reads would fill up and stall it
-    with tempfile.TemporaryFile() as logfile:
+    # (AGENTROLL_VLLM_SERVER_LOG=path keeps it there)
+    keep = os.environ.get("AGENTROLL_VLLM_SERVER_LOG")
+    with open(keep, "ab+") if keep else tempfile.TemporaryFile() as logfile:  # noqa: ASYNC230
         proc = await asyncio.to_thread(
             subprocess.Popen,
             argv,
@@ -496,6 +498,11 @@ async def serve_vllm(
             await _wait_healthy(proc, logfile, url := f"http://127.0.0.1:{port}", startup_timeout)
             yield url
         finally:
+            if proc.poll() is not None:  # it died while in use: say why, where it is seen
+                logfile.seek(0)
+                tail = logfile.read().decode(errors="replace")[-3000:]
+                log.error("the vLLM server on port %d exited with %s; its log ends:\n%s",
+                          port, proc.returncode, tail)  # fmt: skip
             await _stop(proc)
 
 

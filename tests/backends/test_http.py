@@ -4,9 +4,11 @@ real vLLM OpenAI server on vLLM's CPU build (marker ``vllm``, one server per mod
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,15 +137,37 @@ _WHY = vllm_available()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def server(tiny_model: Path) -> AsyncIterator[HTTPBackend]:
+async def server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[HTTPBackend]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with (
-        serve_vllm(tiny_model, port=port, max_model_len=512) as url,
-        HTTPBackend(url, model_dir=tiny_model) as backend,
-    ):
-        yield backend
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    saved = os.environ.get("AGENTROLL_VLLM_SERVER_LOG")
+    os.environ["AGENTROLL_VLLM_SERVER_LOG"] = str(log)
+    try:
+        async with (
+            serve_vllm(tiny_model, port=port, max_model_len=512) as url,
+            HTTPBackend(url, model_dir=tiny_model) as backend,
+        ):
+            backend.server_log = log  # type: ignore[attr-defined]
+            yield backend
+    finally:
+        if saved is None:
+            os.environ.pop("AGENTROLL_VLLM_SERVER_LOG", None)
+        else:
+            os.environ["AGENTROLL_VLLM_SERVER_LOG"] = saved
+
+
+@contextlib.contextmanager
+def server_log_on_error(server: HTTPBackend) -> Iterator[None]:
+    """A failure that reaches the server's end (it died, say) comes with its log's tail."""
+    try:
+        yield
+    except BackendError as exc:
+        tail = server.server_log.read_text(errors="replace")[-4000:]  # type: ignore[attr-defined]
+        raise AssertionError(f"{exc}\n--- the vLLM server's log ends:\n{tail}") from exc
 
 
 @pytest.mark.vllm
@@ -152,6 +176,11 @@ async def server(tiny_model: Path) -> AsyncIterator[HTTPBackend]:
 async def test_server_semantics(server: HTTPBackend, tiny_model: Path) -> None:
     """One engine start for all of it: seeds, pause parity, recompute rescoring, keep
     versions, restart, a failed update."""
+    with server_log_on_error(server):
+        await _server_semantics(server, tiny_model)
+
+
+async def _server_semantics(server: HTTPBackend, tiny_model: Path) -> None:
     trainer = SyntheticTrainer(tiny_model, fraction=0.05, seed=5)
     a = await run(server, request("a", 24))
     b = await run(server, request("b", 24))
