@@ -116,7 +116,7 @@ class VLLMBackend(CheckedBackend, Backend):
         update (None: when the checkpoint is under 4 GiB; it hashes every weight).
         ``probe_tokens``: after each update, the first resume rescores that many fixed
         tokens in vLLM and with the built-in engine's model code on the verified host
-        tensors; a difference over ``probe_tolerance`` (None: 1e-3 in fp32, 0.1 otherwise)
+        tensors; a difference over ``probe_tolerance`` (None: 1e-3 in fp32, 0.25 otherwise)
         fails the resume and takes the backend out of service (0: no probe)."""
         if transfer not in ("reload", "nccl", "sparse_nccl"):
             raise ValueError(f"unknown transfer {transfer!r}; use reload, nccl or sparse_nccl")
