@@ -233,6 +233,33 @@ async def check_cross_backend_parity(backend: Any, max_tokens: int = 24) -> Chec
     )
 
 
+async def check_served_weights(backend: Any, trainer: Any) -> CheckResult:
+    """After an update: vLLM's digests of what it serves equal the verified host tensors
+    (where vLLM can report them) and the rescoring probe agrees with our model code."""
+    probes = backend.check.probes
+    await backend.pause("keep")
+    try:
+        await backend.apply(trainer.step())
+    finally:
+        await backend.resume()  # runs the probe
+    verified = backend.check.last_verified
+    diff = backend.check.last_probe_diff
+    checked = verified.checked if verified is not None else 0
+    ok = checked > 0 and backend.check.probes == probes + 1 and diff is not None
+    ok = ok and diff <= backend.check.tolerance
+    return CheckResult(
+        "served_weights",
+        ok,
+        {
+            "params_compared": checked,
+            "params_unverifiable": len(verified.unverifiable) if verified is not None else -1,
+            "probe_tokens": backend.check.probe_tokens,
+            "probe_max_abs_diff": diff,
+            "tolerance": backend.check.tolerance,
+        },
+    )
+
+
 async def run_vllm_checks(model: Path, backend: Any = None) -> list[CheckResult]:
     """All vLLM checks on ``model`` (or on an already started ``backend``)."""
     from agentroll.backends.vllm import VLLMBackend
@@ -249,6 +276,7 @@ async def run_vllm_checks(model: Path, backend: Any = None) -> list[CheckResult]
             await check_token_parity_pause(b),
             await check_recompute_rescore(b, trainer),
             await check_provenance(b, trainer),
+            await check_served_weights(b, trainer),
             await check_cross_backend_parity(b),
         ]
 

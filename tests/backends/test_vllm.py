@@ -261,6 +261,7 @@ async def test_validate_checks_pass(backend: VLLMBackend) -> None:
         "token_parity_pause",
         "recompute_rescore",
         "provenance",
+        "served_weights",
         "cross_backend_parity",
     ]
     assert all(r.passed for r in results), [r.line() for r in results]
