@@ -188,20 +188,12 @@ class HostWeights:
         """The second half of ``apply``, for an update ``stage`` prepared earlier (while the
         engine kept generating)."""
         previous = self.served
-        try:
-            await reload(target)
-            if verify is not None:
-                await verify({**self.store.tensors, **staged.tensors})
-        except Exception as exc:
+
+        async def undo() -> None:
             shutil.rmtree(target, ignore_errors=True)
-            try:
-                await reload(previous)
-            except Exception as again:  # pragma: no cover - the engine is broken
-                raise BackendError(
-                    f"{what}: reloading version {self.version} after a failed update failed "
-                    f"too: {again}"
-                ) from exc
-            raise WeightSyncError(f"{what} could not load version {update.version}: {exc}") from exc
+            await reload(previous)
+
+        await self._load(update, staged, lambda: reload(target), undo, what, verify)
         self.store.commit(staged)
         if previous != self.model_dir:
             shutil.rmtree(previous, ignore_errors=True)
@@ -219,21 +211,41 @@ class HostWeights:
         tensors (and the ones they replace) into the engine; a failure sends ``old`` back."""
         staged = await asyncio.to_thread(self.store.stage, update)
         old = {name: self.store.tensors[name] for name in staged.tensors}
+        await self._load(
+            update,
+            staged,
+            lambda: send(staged.tensors, old),
+            lambda: send(old, staged.tensors),
+            what,
+            verify,
+        )
+        self.store.commit(staged)
+        self.version = int(update.version)
+
+    async def _load(
+        self,
+        update: Any,
+        staged: Any,
+        load: Callable[[], Awaitable[None]],
+        undo: Callable[[], Awaitable[None]],
+        what: str,
+        verify: Callable[[Mapping[str, Any]], Awaitable[None]] | None,
+    ) -> None:
+        """``load`` then ``verify`` (against every tensor of the model); on a failure,
+        ``undo`` and raise ``WeightSyncError`` (``BackendError`` if the undo fails too)."""
         try:
-            await send(staged.tensors, old)
+            await load()
             if verify is not None:
                 await verify({**self.store.tensors, **staged.tensors})
         except Exception as exc:
             try:
-                await send(old, staged.tensors)
+                await undo()
             except Exception as again:  # pragma: no cover - the engine is broken
                 raise BackendError(
-                    f"{what}: sending version {self.version} back after a failed update failed "
+                    f"{what}: restoring version {self.version} after a failed update failed "
                     f"too: {again}"
                 ) from exc
             raise WeightSyncError(f"{what} could not load version {update.version}: {exc}") from exc
-        self.store.commit(staged)
-        self.version = int(update.version)
 
     def cleanup(self) -> None:
         if self._tmp is not None:

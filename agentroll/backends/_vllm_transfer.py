@@ -281,6 +281,7 @@ class CheckedBackend:
     check: ServedCheck
     weights: Any
     _broken: str | None
+    _probe_due: bool
     _paused: bool
     _version: int
 
@@ -292,6 +293,21 @@ class CheckedBackend:
 
     async def _verify(self, expected: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+    def _init_checks(
+        self,
+        model_dir: Any,
+        dtype: str,
+        verify_served: bool | None,
+        probe_tokens: int,
+        probe_tolerance: float | None,
+    ) -> None:
+        self.check = ServedCheck(
+            model_dir, dtype, verify=verify_served, probe_tokens=probe_tokens,
+            tolerance=probe_tolerance,
+        )  # fmt: skip
+        self._broken = None
+        self._probe_due = False
 
     def _require_serving(self) -> None:
         if self._broken is not None:

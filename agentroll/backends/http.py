@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
-from agentroll.backends._vllm_transfer import CheckedBackend, ServedCheck
+from agentroll.backends._vllm_transfer import CheckedBackend
 from agentroll.backends.base import (
     Backend,
     GenerationChunk,
@@ -135,19 +135,13 @@ class HTTPBackend(CheckedBackend, Backend):
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self.stats: dict[str, int] = {"retries": 0, "resubmitted": 0, "restarted": 0}
-        self._broken: str | None = None
-        self._probe_due = False
+        self._broken = None
+        self._probe_due = False  # set by apply (which needs model_dir)
         if self.model_dir is not None:
             if dtype is None:
                 config = json.loads((self.model_dir / "config.json").read_text())
                 dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-            self.check = ServedCheck(
-                self.model_dir,
-                dtype,
-                verify=verify_served,
-                probe_tokens=probe_tokens,
-                tolerance=probe_tolerance,
-            )
+            self._init_checks(self.model_dir, dtype, verify_served, probe_tokens, probe_tolerance)
 
     @property
     def policy_version(self) -> int:

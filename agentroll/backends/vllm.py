@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
-from agentroll.backends._vllm_transfer import CheckedBackend, ServedCheck
+from agentroll.backends._vllm_transfer import CheckedBackend
 from agentroll.backends.base import (
     Backend,
     GenerationChunk,
@@ -137,17 +137,9 @@ class VLLMBackend(CheckedBackend, Backend):
         self._ids = itertools.count()
         self.weights = HostWeights(self.model_dir)
         self.transfer, self.transfer_device = transfer, transfer_device
-        self.check = ServedCheck(
-            self.model_dir,
-            dtype,
-            verify=verify_served,
-            probe_tokens=probe_tokens,
-            tolerance=probe_tolerance,
-        )
+        self._init_checks(self.model_dir, dtype, verify_served, probe_tokens, probe_tolerance)
         self._sender: Any = None
         self._staged: tuple[Any, Any, Path] | None = None
-        self._probe_due = False
-        self._broken: str | None = None
         self.stats: dict[str, int] = {"version_mismatch": 0, "restarted": 0, "updates": 0}
 
     @property
