@@ -105,7 +105,13 @@ def _vllm(model: Path, prompts: list[list[int]], max_tokens: int) -> float:
         import vllm
     except ImportError:
         return math.nan
-    llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny model needs little
+    kwargs: dict[str, Any] = {}
+    if not torch.cuda.is_available():
+        # on the CPU this reserves a fraction of host memory at startup and refuses to start
+        # when that much is not free (this process holds transformers' models already)
+        kwargs["gpu_memory_utilization"] = 0.3
+    llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True, **kwargs)
     sp = vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     inputs: Any = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(inputs, sp)  # warm-up
