@@ -76,6 +76,7 @@ class Traffic:
         self.fleet = fleet
         self.chunks: list[tuple[str, str, GenerationChunk]] = []  # (replica, request, chunk)
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self._ended: str | None = None  # why later waits fail at once (the episodes ended)
         for replica in fleet.replicas.values():
             for method in ("generate", "restore"):
                 setattr(replica, method, self._wrap(replica.name, getattr(replica, method)))
@@ -94,6 +95,9 @@ class Traffic:
         return watched
 
     def fail_waiters(self, why: str) -> None:
+        """Fail every wait, now and later (a wait that starts after the episodes ended, say
+        one the test reaches only after an update it ran meanwhile, must not hang)."""
+        self._ended = why
         for _, fut in self._waiters:
             if not fut.done():
                 fut.set_exception(AssertionError(why))
@@ -108,6 +112,8 @@ class Traffic:
     async def wait(self, pred: Callable[[], bool], timeout: float = 30.0) -> None:
         """Return once ``pred()`` holds: checked after every streamed chunk, and every 10 ms
         for what no chunk announces (a replica found dead, a failover started)."""
+        if self._ended is not None and not pred():
+            raise AssertionError(self._ended)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((pred, fut))
         try:
@@ -595,7 +601,9 @@ async def test_killed_replica_moves_its_calls_and_episodes_finish(
             assert dead.name not in traffic.since(mark)
             return report
 
-        trajs, report = await run_episodes(fleet, traffic, kill, episodes=24)
+        # enough episodes that some still generate after the update (24 could all end
+        # while the rolling update ran on a loaded machine)
+        trajs, report = await run_episodes(fleet, traffic, kill, episodes=48)
         assert_quiet(fleet)
     assert fleet.stats.failovers > 0
     assert fleet.status(dead.name) == "down" and dead.version == 0
