@@ -505,9 +505,10 @@ def _cpu_args(max_model_len: int) -> list[str]:
     """``cpu_engine_defaults`` as server flags (no chunked prefill on vLLM's CPU build)."""
     from agentroll.backends.vllm import cpu_engine_defaults
 
-    if not cpu_engine_defaults(max_model_len):
+    defaults = cpu_engine_defaults(max_model_len)
+    if not defaults:
         return []
-    tokens = cpu_engine_defaults(max_model_len)["max_num_batched_tokens"]
+    tokens = defaults["max_num_batched_tokens"]
     return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(tokens)]
 
 
