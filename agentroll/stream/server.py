@@ -306,12 +306,14 @@ class TrajectoryStream:
         records = [(t.id, encode_msgpack(t)) for t in group]
         await self._submit(_Job(records=records))
         self._encoded.update(records)
+        # counted once durable: a publish cancelled while waiting for buffer space (worker
+        # shutdown) still left its group in the spool, which lost_count counts as pending
+        self.counters["published"] += len(group)
         try:
             await self.buffer.put(group)
         except asyncio.CancelledError:
             self.buffer.restore([group])
             raise
-        self.counters["published"] += len(group)
 
     async def lease(
         self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
