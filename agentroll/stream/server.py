@@ -125,7 +125,6 @@ class TrajectoryStream:
         self._clock = clock
         self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
         self._spool: Spool | None = None
-        self._encoded: dict[str, bytes] = {}  # msgpack of every held trajectory
         self._lanes = {name: _Lane(name) for name in ("records", "acks")}
         self._drop_ids: list[str] = []
         self._closing = False
@@ -160,18 +159,16 @@ class TrajectoryStream:
             lane.task = asyncio.create_task(
                 self._commit_loop(lane), name=f"agentroll-spool-{lane.name}"
             )
-        for group in groups:
-            self._encoded.update((rid, data) for rid, data in group[1])
-        restored = self.buffer.restore([g[0] for g in groups])
+        restored = self.buffer.restore(groups)
         self.counters["restored"] = restored
         if restored:
             logger.info("restored %d unacknowledged trajectories from %s", restored, self.spool_dir)
         return self
 
-    def _open(self) -> tuple[Spool, list[tuple[list[Trajectory], list[tuple[str, bytes]]]]]:
+    def _open(self) -> tuple[Spool, list[list[Trajectory]]]:
         spool = Spool(self.spool_dir, self.config.spool)
-        by_group: dict[str, tuple[list[Trajectory], list[tuple[str, bytes]]]] = {}
-        chunks: list[tuple[list[Trajectory], list[tuple[str, bytes]]]] = []
+        by_group: dict[str, list[Trajectory]] = {}
+        chunks: list[list[Trajectory]] = []
         size = self.config.buffer.group_size
         for rec in spool.pending():
             try:
@@ -182,11 +179,10 @@ class TrajectoryStream:
                 self.counters["undecodable"] += 1
                 continue
             entry = by_group.get(traj.group_id)
-            if entry is None or len(entry[0]) >= size:  # a reused group id: next chunk
-                entry = by_group[traj.group_id] = ([], [])
+            if entry is None or len(entry) >= size:  # a reused group id: next chunk
+                entry = by_group[traj.group_id] = []
                 chunks.append(entry)
-            entry[0].append(traj)
-            entry[1].append((rec.id, rec.data))
+            entry.append(traj)
         return spool, chunks
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -285,7 +281,6 @@ class TrajectoryStream:
 
     def _on_drop(self, trajectories: list[Trajectory]) -> None:
         for t in trajectories:
-            self._encoded.pop(t.id, None)
             self._drop_ids.append(t.id)
         self.counters["dropped_stale"] += len(trajectories)
         self._lanes["acks"].wake.set()
@@ -303,9 +298,8 @@ class TrajectoryStream:
                 f"a group must hold exactly {self.config.buffer.group_size} trajectories "
                 f"(BufferConfig.group_size), got {len(group)}"
             )
-        records = [(t.id, encode_msgpack(t)) for t in group]
-        await self._submit(_Job(records=records))
-        self._encoded.update(records)
+        # the records are not kept: a lease reads them back from the spool (page cache)
+        await self._submit(_Job(records=[(t.id, encode_msgpack(t)) for t in group]))
         # counted once durable: a publish cancelled while waiting for buffer space (worker
         # shutdown) still left its group in the spool, which lost_count counts as pending
         self.counters["published"] += len(group)
@@ -327,17 +321,17 @@ class TrajectoryStream:
             self.counters["delivered"] += len(lease.trajectories)
         return lease
 
-    def encoded(self, trajectory_id: str) -> bytes | None:
-        """The msgpack bytes of a held trajectory (what the spool stores), if known."""
-        return self._encoded.get(trajectory_id)
+    def lease_body(self, lease: Lease, head: bytes) -> bytearray:
+        """``head``, then the stored msgpack of each leased trajectory (read back from the
+        spool, not re-encoded; one acknowledged meanwhile is encoded again)."""
+        by_id = {t.id: t for t in lease.trajectories}
+        return self.spool.read_payloads(list(by_id), head, lambda rid: encode_msgpack(by_id[rid]))
 
     async def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge trajectories: they leave the buffer and, durably before this returns,
         the spool.  Returns how many left the spool; unknown ids are ignored."""
         ids = list(dict.fromkeys(ids))
         self.buffer.ack(ids)
-        for rid in ids:
-            self._encoded.pop(rid, None)
         acked = await self._submit(_Job(ack_ids=ids))
         self.counters["acked"] += acked
         return acked
@@ -545,15 +539,12 @@ def stream_app(
             return Response(
                 encode_json(LeaseBatch(**head, trajectories=got.trajectories)), media_type=JSON
             )
-        # the stored msgpack of each trajectory, not re-encoded: the batch's fields, then an
-        # array header, then the records, joined once; a memoryview lets the transport
-        # buffer what the socket does not take at once without copying it first
+        # the batch's fields, then an array header, then the stored msgpack of each
+        # trajectory read back from the spool into one buffer; a memoryview lets the
+        # transport buffer what the socket does not take at once without copying it first
         prefix = msgspec.msgpack.encode(_RawLeaseBatch(**head, trajectories=[]))
-        parts = [prefix[:-1], _msgpack_array_header(len(got.trajectories))]
-        for t in got.trajectories:
-            data = stream.encoded(t.id)
-            parts.append(data if data is not None else encode_msgpack(t))
-        return Response(memoryview(b"".join(parts)), media_type=MSGPACK)
+        prefix = prefix[:-1] + _msgpack_array_header(len(got.trajectories))
+        return Response(memoryview(stream.lease_body(got, prefix)), media_type=MSGPACK)
 
     async def ack(request: Request) -> Response:
         body = await _read_body(request, config.max_body_bytes)

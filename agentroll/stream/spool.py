@@ -15,7 +15,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -39,6 +39,8 @@ _SEGMENT_SUFFIX = ".seg"
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_ID_BYTES = (1 << 16) - 1
 _WRITEV_RECORDS = 300  # 3 buffers per record: under IOV_MAX (1024)
+_READV_BUFFERS = 1000  # per preadv: under IOV_MAX (1024)
+_READ_GAP = 64 << 10  # frames between two payloads read in one preadv up to this size
 
 
 class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,6 +123,22 @@ def _frame_parts(traj_id: str, payload: bytes) -> tuple[bytes, bytes, bytes]:
     tail = struct.pack("<IHH", len(payload), len(rid), 0)
     digest = _record_checksum(tail, rid, payload)
     return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), 0, digest), rid, payload
+
+
+def _preadv_exactly(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill ``bufs`` from ``fd`` at ``offset``; a short read is resumed, end of file raises."""
+    first = 0
+    while first < len(bufs):
+        n = os.preadv(fd, bufs[first:] if first else bufs, offset)
+        if n == 0:
+            missing = sum(len(b) for b in bufs[first:])
+            raise OSError(f"spool segment ended {missing} bytes early (truncated by hand?)")
+        offset += n
+        while first < len(bufs) and n >= len(bufs[first]):
+            n -= len(bufs[first])
+            first += 1
+        if n:
+            bufs[first] = bufs[first][n:]
 
 
 def _encode_ack(ids: list[str]) -> bytes:
@@ -212,6 +230,7 @@ class Spool:
         self._syncing: set[str] = set()  # being fsync'd by sync_records (lock not held)
         self._active: _Segment | None = None
         self._fd: int | None = None
+        self._read_fds: dict[int, int] = {}  # segment -> O_RDONLY fd (read_payloads)
         self._next_segment = 1
         self._ack_dirty = False
         self._closed = False
@@ -528,6 +547,9 @@ class Spool:
                 os.close(self._fd)
             self._fd = None
             self._active = None
+        fd = self._read_fds.pop(seg.number, None)
+        if fd is not None:
+            os.close(fd)
         seg.path.unlink(missing_ok=True)
         del self._segments[seg.number]
         self._stats.bytes -= seg.size
@@ -581,6 +603,58 @@ class Spool:
             for fd in fds.values():
                 os.close(fd)
 
+    def read_payloads(
+        self, ids: Sequence[str], head: bytes, fallback: Callable[[str], bytes]
+    ) -> bytearray:
+        """``head``, then the stored payload of each of ``ids`` in order, in one new buffer:
+        read back from the segment files (the page cache, for records written recently)
+        with one ``preadv`` per run of nearby records, so the payloads need not be kept in
+        memory.  An id that is not pending (acknowledged meanwhile) is filled in with
+        ``fallback(id)``.  Meant for records a ``flush`` made durable; raises ``OSError``
+        if a segment file cannot be read."""
+        with self._lock:
+            self._check_open()
+            where = [self._pending.get(rid) for rid in ids]
+            extra = {i: fallback(ids[i]) for i, loc in enumerate(where) if loc is None}
+            total = len(head) + sum(
+                loc[2] if loc is not None else len(extra[i]) for i, loc in enumerate(where)
+            )
+            out = bytearray(total)
+            view = memoryview(out)
+            view[: len(head)] = head
+            pos, i, scratch = len(head), 0, bytearray(_READ_GAP)
+            while i < len(where):
+                loc = where[i]
+                if loc is None:
+                    data = extra[i]
+                    view[pos : pos + len(data)] = data
+                    pos += len(data)
+                    i += 1
+                    continue
+                number, start, length = loc
+                bufs, end = [view[pos : pos + length]], start + length
+                pos += length
+                i += 1
+                while i < len(where) and len(bufs) < _READV_BUFFERS - 1:
+                    nxt = where[i]
+                    if nxt is None or nxt[0] != number or not 0 <= nxt[1] - end <= _READ_GAP:
+                        break
+                    if nxt[1] > end:  # the next record's frame header and id
+                        bufs.append(memoryview(scratch)[: nxt[1] - end])
+                    bufs.append(view[pos : pos + nxt[2]])
+                    pos += nxt[2]
+                    end = nxt[1] + nxt[2]
+                    i += 1
+                _preadv_exactly(self._read_fd(number), bufs, start)
+            return out
+
+    def _read_fd(self, number: int) -> int:
+        """Under the lock: the segment's read descriptor (closed when it is deleted)."""
+        fd = self._read_fds.get(number)
+        if fd is None:
+            fd = self._read_fds[number] = os.open(self._segment_path(number), os.O_RDONLY)
+        return fd
+
     def __contains__(self, rid: object) -> bool:
         return rid in self._pending
 
@@ -611,6 +685,9 @@ class Spool:
                 return
             self._closed = True
             try:
+                for fd in self._read_fds.values():
+                    os.close(fd)
+                self._read_fds.clear()
                 if self._fd is not None:
                     if self._unflushed:
                         os.fdatasync(self._fd)

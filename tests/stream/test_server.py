@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import httpx
@@ -217,6 +219,48 @@ async def test_concurrent_publishers_share_fsyncs_and_back_pressure_keeps_them_d
         await asyncio.gather(*tasks)
         assert sorted(delivered) == sorted(f"t-{i:08d}" for i in range(20))
         assert len(stream.spool) == 0
+
+
+async def test_a_publish_is_answered_only_after_an_fsync_that_covers_it(tmp_path: Path) -> None:
+    """Publishers share fsyncs (group commit), and each publish returns only once an fsync
+    that started after its records were written has finished."""
+    async with worker(tmp_path, config(capacity=512)) as (stream, _):
+        spool = stream.spool
+        lock = threading.Lock()
+        written: set[str] = set()
+        durable: set[str] = set()
+        fsyncs = [0]
+        append_many, sync_records = spool.append_many, spool.sync_records
+
+        def append(items: Iterable[tuple[str, bytes]]) -> None:
+            items = list(items)
+            append_many(items)
+            with lock:
+                written.update(rid for rid, _ in items)
+
+        def slow_sync() -> None:
+            with lock:
+                covered = set(written)
+            time.sleep(0.005)  # a slow disk: more publishers queue meanwhile
+            sync_records()
+            with lock:
+                fsyncs[0] += 1
+                durable.update(covered)
+
+        spool.append_many = append  # type: ignore[method-assign,assignment]
+        spool.sync_records = slow_sync  # type: ignore[method-assign]
+
+        async def publish(i: int) -> None:
+            await stream.publish([traj(i)])
+            assert f"t-{i:08d}" in durable
+
+        async def publisher(first: int) -> None:
+            for i in range(first, 240, 16):
+                await publish(i)
+
+        await asyncio.gather(*(publisher(k) for k in range(16)))
+        assert len(durable) == 240 and len(spool) == 240
+        assert fsyncs[0] <= 240 // 8  # shared
 
 
 def make_update(version: int) -> WeightUpdate:
