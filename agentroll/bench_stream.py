@@ -7,8 +7,11 @@ trajectories delivered per second from the first publish to the last ack (the tr
 objects are built before the clock starts: the episodes' work, not the stream's);
 ``json_mb_per_s`` the same (msgpack bytes) with JSON bodies.  The limits are measured on the
 same bytes: a plain 127.0.0.1 socket copy and a sequential write + fsync on the spool's
-filesystem; ``limit = min`` of the two.  Every run checks delivered == published, each id
-exactly once, and an empty spool at the end.
+filesystem; ``limit = min`` of the two.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU
+seconds (user + system) each process used during the msgpack run, next to its wall time
+``seconds``: on a machine with few cores they show when the processes themselves, not the
+disk or the loopback, are what limits the stream.  Every run checks delivered == published,
+each id exactly once, and an empty spool at the end.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import socket
 import statistics
@@ -111,6 +115,9 @@ class StreamBenchResult:
     json_mb_per_s: float
     raw_tcp_mb_per_s: float
     disk_mb_per_s: float
+    seconds: float = math.nan  # wall time of the msgpack run
+    worker_cpu_s: float = math.nan  # CPU of the worker process during it (nan: not on Linux)
+    consumer_cpu_s: float = math.nan  # CPU of this (consuming) process during it
 
     @property
     def limit_mb_per_s(self) -> float:
@@ -120,7 +127,9 @@ class StreamBenchResult:
         return (
             f"traj_per_s={self.traj_per_s:.1f} mb_per_s={self.mb_per_s:.1f} "
             f"json_mb_per_s={self.json_mb_per_s:.1f} raw_tcp_mb_per_s={self.raw_tcp_mb_per_s:.1f} "
-            f"disk_mb_per_s={self.disk_mb_per_s:.1f} limit_mb_per_s={self.limit_mb_per_s:.1f}"
+            f"disk_mb_per_s={self.disk_mb_per_s:.1f} limit_mb_per_s={self.limit_mb_per_s:.1f} "
+            f"seconds={self.seconds:.2f} worker_cpu_s={self.worker_cpu_s:.2f} "
+            f"consumer_cpu_s={self.consumer_cpu_s:.2f}"
         )
 
 
@@ -221,6 +230,16 @@ async def _consume(
     if status["spool"]["records"]:
         raise AssertionError(f"{status['spool']['records']} records left in the spool")
     return nbytes
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) that process ``pid`` used so far; nan where
+    ``/proc`` is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _tcp_copy_mb_per_s(block: bytes, total: int) -> float:
@@ -332,6 +351,7 @@ def run_stream_bench(
                 raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
             url = line[1]
             runs: dict[str, tuple[float, int]] = {}
+            cpu: dict[str, tuple[float, float]] = {}
             plan: tuple[tuple[WireFormat, int], ...] = (("msgpack", n), ("json", n_json))
             for fmt, count in plan:
                 bar = Progress(f"stream {fmt}", count, mode=mode)
@@ -340,11 +360,16 @@ def run_stream_bench(
                     proc.stdin.flush()
                     if proc.stdout.readline().split() != ["prepared", str(count)]:
                         raise RuntimeError("the bench worker did not prepare its trajectories")
+                    worker0, consumer0 = _process_cpu_s(proc.pid), time.process_time()
                     start = time.perf_counter()
                     proc.stdin.write(f"publish {fmt} {count}\n")
                     proc.stdin.flush()
                     nbytes = asyncio.run(_consume(url, fmt, count, sizes[fmt], lease_max, bar))
                     runs[fmt] = (time.perf_counter() - start, nbytes)
+                    cpu[fmt] = (
+                        _process_cpu_s(proc.pid) - worker0,
+                        time.process_time() - consumer0,
+                    )
                 finally:
                     bar.close()
                 if proc.stdout.readline().split() != ["published", str(count)]:
@@ -367,6 +392,9 @@ def run_stream_bench(
         json_mb_per_s=json_bytes / json_seconds / _MB,
         raw_tcp_mb_per_s=tcp,
         disk_mb_per_s=disk,
+        seconds=seconds,
+        worker_cpu_s=cpu["msgpack"][0],
+        consumer_cpu_s=cpu["msgpack"][1],
     )
 
 

@@ -19,6 +19,9 @@ KEYS = [
     "raw_tcp_mb_per_s",
     "disk_mb_per_s",
     "limit_mb_per_s",
+    "seconds",
+    "worker_cpu_s",
+    "consumer_cpu_s",
 ]
 
 
@@ -31,7 +34,9 @@ def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> N
     pairs = [field.split("=") for field in result.line().split()]
     assert [k for k, _ in pairs] == KEYS
     values = {k: float(v) for k, v in pairs}
+    cpu = {k: values.pop(k) for k in ("worker_cpu_s", "consumer_cpu_s")}
     assert all(v > 0 for v in values.values())
+    assert all(0 <= v < 60 for v in cpu.values())  # clock ticks: a tiny run may round to 0
     assert values["limit_mb_per_s"] == min(values["raw_tcp_mb_per_s"], values["disk_mb_per_s"])
     assert list(tmp_path.iterdir()) == []  # the spool and the disk probe were removed
 
