@@ -6,6 +6,12 @@ cache and as one padded batch, and vLLM when it is installed (``nan`` otherwise)
 system generates exactly ``max_tokens`` tokens per request (end-of-sequence ignored), so
 tokens/s compare like with like; figures are medians of ``REPEATS`` timed runs after a
 warm-up.  Prints one ``key=value`` result line.
+
+``matmul_floor_tokens_per_s`` is an upper bound, measured in the same run: the tokens/s of a
+decode step that did nothing but the model's matrix products (every linear layer and the LM
+head, on ``concurrency`` rows, in fp32 on the same threads).  No engine running this model
+in fp32 here, ours or another, can exceed it; ``matmul_floor / hf_batch`` is the most any of
+them could gain over ``transformers`` batched.
 """
 
 from __future__ import annotations
@@ -100,6 +106,34 @@ def _hf(model: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -
     return statistics.median(rates)
 
 
+def _matmul_floor(model: Path, rows: int, steps: int = 200) -> float:
+    """Tokens/s of decode steps made of the model's matmuls alone (see the module doc)."""
+    from agentroll.engine.models.decoder import load_model
+
+    m = load_model(model)
+    linears: list[tuple[torch.Tensor, torch.Tensor | None]] = [
+        (mod.weight, mod.bias) for mod in m.modules() if isinstance(mod, torch.nn.Linear)
+    ]
+    if m.lm_head is None:  # a tied head reads the embedding
+        linears.append((m.lm_head_weight, None))
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in linears}
+
+    def step() -> None:
+        for weight, bias in linears:
+            torch.nn.functional.linear(inputs[weight.shape[1]], weight, bias)
+
+    rates = []
+    with torch.inference_mode():
+        for _ in range(20):
+            step()  # warm-up
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            rates.append(rows * steps / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 def _vllm(model: Path, prompts: list[list[int]], max_tokens: int) -> float:
     try:
         import vllm
@@ -142,9 +176,12 @@ def main_engine(
     _log(f"transformers batched: {hf_batch:.1f} tokens/s")
     vllm_tps = _vllm(model, prompts, max_tokens)
     _log(f"vllm: {vllm_tps:.1f} tokens/s")
+    floor = _matmul_floor(model, concurrency)
+    _log(f"the model's matmuls alone (an upper bound for any engine): {floor:.1f} tokens/s")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"tokens_per_s={ours:.1f} hf_seq_tokens_per_s={hf_seq:.1f} hf_batch_tokens_per_s={hf_batch:.1f} "
         f"ratio_vs_hf_batch={ours / hf_batch:.2f} vllm_tokens_per_s={vllm_tps:.1f} "
-        f"batch_invariant_tokens_per_s={invariant:.1f} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f}"
+        f"batch_invariant_tokens_per_s={invariant:.1f} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f} "
+        f"matmul_floor_tokens_per_s={floor:.1f} floor_ratio_vs_hf_batch={floor / hf_batch:.2f}"
     )
