@@ -1,25 +1,89 @@
-"""Working-directory helpers of the local sandbox: create, snapshot (tar), restore, delete.
+"""Working-directory helpers of the local sandbox: create, snapshot (tar), restore, delete,
+and reap the ones a dead process left behind.
 
 Invariants: a restore unpacks into a staging directory first and refuses members that leave
 the directory (absolute paths, ``..``, outward links), so a bad blob leaves the working
 directory untouched; deletion also removes directories a command left without permissions.
+Working and staging directories are named after the process that made them
+(``agentroll-sb-<pid>.<start ticks>-*``), so a process killed before it could clean up
+(``kill -9``, OOM) leaves directories that ``reap_workdirs`` removes later; a directory whose
+owner runs, or whose name carries no owner, is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import logging
 import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from agentroll.sandbox._owner import HOST, me, owner_alive
+
+log = logging.getLogger("agentroll.sandbox")
+
 _TMP_DIRNAME = ".tmp"  # TMPDIR of plain (non-bubblewrap) commands; not part of snapshots
+_WORKDIR_PREFIX = "agentroll-sb-"
+_STAGING_PREFIX = ".agentroll-restore-"
+
+
+_HOST_TAG = hashlib.blake2s(HOST.encode(), digest_size=4).hexdigest()
+
+
+def _owner_tag() -> str:
+    pid, ticks = me()
+    return f"{_HOST_TAG}.{pid}.{ticks}-"
+
+
+def workdir_owner(name: str, host_tag: str = _HOST_TAG) -> tuple[int, str] | None:
+    """``(pid, start ticks)`` of the process on this host (``host_tag``) that made the
+    working or staging directory called ``name``; None for other names, for directories made
+    on another host (a shared temp directory, a container's pid namespace) and for those of
+    older versions (no owner in the name)."""
+    for prefix in (_WORKDIR_PREFIX, _STAGING_PREFIX):
+        if name.startswith(prefix):
+            tag = name[len(prefix) :].split("-", 1)
+            parts = tag[0].split(".")
+            if len(tag) == 2 and len(parts) == 3 and parts[0] == host_tag:
+                pid, ticks = parts[1], parts[2]
+                if pid.isdigit() and ticks.isdigit():
+                    return int(pid), ticks
+    return None
+
+
+def reap_workdirs(
+    root: str | Path | None = None,
+    *,
+    alive: Callable[[int, str], bool] = owner_alive,
+) -> list[Path]:
+    """Remove the sandbox directories under ``root`` (default: the temp directory) whose
+    owner process is gone; returns what was removed.  Blocking."""
+    base = Path(root if root is not None else tempfile.gettempdir())
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = workdir_owner(entry.name)
+        if owner is None or not entry.is_dir(follow_symlinks=False) or alive(*owner):
+            continue
+        try:
+            _rmtree(Path(entry.path))
+        except OSError as exc:  # another process reaping the same directory, or not ours
+            log.debug("could not reap %s: %s", entry.path, exc)
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 def _make_workdir(make_tmp: bool) -> Path:
-    workdir = Path(tempfile.mkdtemp(prefix="agentroll-sb-")).resolve()
+    workdir = Path(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX + _owner_tag())).resolve()
     if make_tmp:
         (workdir / _TMP_DIRNAME).mkdir()
     return workdir
@@ -35,7 +99,7 @@ def _pack(workdir: Path) -> bytes:
 
 
 def _unpack(blob: bytes, workdir: Path, make_tmp: bool) -> None:
-    staging = Path(tempfile.mkdtemp(prefix=".agentroll-restore-", dir=workdir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX + _owner_tag(), dir=workdir.parent))
     try:
         try:
             with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:

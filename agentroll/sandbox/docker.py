@@ -51,6 +51,7 @@ import msgspec
 
 from agentroll.errors import SandboxError
 from agentroll.sandbox._channel import AgentChannel, capture_from
+from agentroll.sandbox._owner import HOST, owner_alive, start_ticks
 from agentroll.sandbox._ratelimit import (
     LABEL,
     LABEL_CREATED,
@@ -150,32 +151,14 @@ class _Spec(msgspec.Struct, frozen=True):
 # process identity, used by the owner label and the reaper
 
 
-def _start_ticks(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _owner_alive(pid: int, ticks: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return _start_ticks(pid) == ticks
-
-
-_HOST = socket.gethostname()
-_OWNER = f"{_HOST}:{os.getpid()}:{_start_ticks(os.getpid())}"
+_HOST = HOST
+_OWNER = f"{_HOST}:{os.getpid()}:{start_ticks(os.getpid())}"
 
 
 def _owner() -> str:
     global _OWNER
     if not _OWNER.startswith(f"{_HOST}:{os.getpid()}:"):  # a forked child is its own owner
-        _OWNER = f"{_HOST}:{os.getpid()}:{_start_ticks(os.getpid())}"
+        _OWNER = f"{_HOST}:{os.getpid()}:{start_ticks(os.getpid())}"
     return _OWNER
 
 
@@ -307,7 +290,7 @@ def _reap(client: Any) -> int:
     removed = 0
     now = time.time()
     for c in client.containers(all=True, filters={"label": LABEL}):
-        why = reap_reason(c.get("Labels") or {}, now=now, host=_HOST, owner_alive=_owner_alive)
+        why = reap_reason(c.get("Labels") or {}, now=now, host=_HOST, owner_alive=owner_alive)
         if why is None:
             continue
         log.info("reaping container %s: %s", c["Id"][:12], why)

@@ -21,7 +21,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from agentroll.errors import SandboxError
-from agentroll.sandbox._files import _TMP_DIRNAME, _make_workdir, _pack, _rmtree, _unpack
+from agentroll.sandbox._files import (
+    _TMP_DIRNAME,
+    _make_workdir,
+    _pack,
+    _rmtree,
+    _unpack,
+    reap_workdirs,
+)
 from agentroll.sandbox._process import _ExecProtocol, _kill_spawned, _killpg
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.types import ExecResult
@@ -47,6 +54,30 @@ _bwrap_exe: str | None = shutil.which("bwrap")
 _prlimit_exe: str | None = shutil.which("prlimit")
 _bwrap_works: bool | None = None
 _bwrap_warned = False
+_reaped: asyncio.Future[list[Path]] | None = None  # the once-per-process sweep of dead owners' dirs
+
+
+async def _reap_once() -> None:
+    """Before this process's first working directory: remove those that processes killed
+    before they could clean up left in the temp directory (see ``reap_workdirs``)."""
+    global _reaped
+    sweep = _reaped
+    if sweep is not None and sweep.done():
+        return
+    if sweep is None or sweep.get_loop() is not asyncio.get_running_loop():
+        sweep = _reaped = asyncio.ensure_future(asyncio.to_thread(reap_workdirs))
+        sweep.add_done_callback(_log_reaped)
+    try:
+        await asyncio.shield(sweep)
+    except Exception as exc:  # a failed sweep never fails a sandbox
+        log.debug("sweeping old sandbox directories failed: %s", exc)
+
+
+def _log_reaped(done: asyncio.Future[list[Path]]) -> None:
+    if done.cancelled() or done.exception() is not None:
+        return
+    if gone := done.result():
+        log.info("removed %d sandbox directories left by processes that are gone", len(gone))
 
 
 def bwrap_available() -> bool:
@@ -143,6 +174,7 @@ class LocalSandbox(Sandbox):
             if self._workdir is not None:
                 return
             self._is_isolated = await asyncio.to_thread(self._decide_bwrap)
+            await _reap_once()
             self._workdir = await asyncio.to_thread(_make_workdir, not self._is_isolated)
 
     def _decide_bwrap(self) -> bool:
