@@ -187,9 +187,15 @@ async def test_pause_mid_run_changes_no_trajectory_and_starts_nothing(
     requests: list[str] = []
     seen: dict[str, Any] = {}
 
+    start = backend.generate
+
+    def generate(request: GenerationRequest) -> Any:  # records every generation started
+        requests.append(request.request_id)
+        return start(request)
+
+    backend.generate = generate  # type: ignore[method-assign]
+
     async def on_chunk(request: GenerationRequest, n: int) -> None:
-        if request.request_id not in requests:
-            requests.append(request.request_id)
         seed = request.sampling.seed
         if not seen and seed is not None and n >= 3 and lengths[seed] - n >= 8:
             seen["request"] = request.request_id

@@ -164,9 +164,26 @@ class TorchBackend(Backend):
                 stream.put_nowait(BackendError(f"engine step failed: {type(exc).__name__}: {exc}"))
 
     def _work(self, commands: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], list[Any]]:
-        """On the engine thread: apply ``commands``, then step if there is work."""
+        """On the engine thread: apply ``commands``, then step while there is work, up to
+        ``steps_per_call`` steps and ``max_call_s`` seconds.  Whatever the event loop queued
+        meanwhile (a pause, a command, a close) ends the run after the step in flight: only
+        flags are read here, so nothing is mutated across threads."""
         errors = self._apply(commands)
-        return errors, (self.engine.step() if self.engine.has_work() else [])
+        engine, config = self.engine, self.config
+        outputs: list[Any] = []
+        deadline = time.perf_counter() + config.max_call_s
+        for _ in range(config.steps_per_call):
+            if not engine.has_work():
+                break
+            outputs += engine.step()
+            if (
+                self._paused
+                or self._commands
+                or self._stepper is None
+                or time.perf_counter() >= deadline
+            ):
+                break
+        return errors, outputs
 
     def _apply(self, commands: list[tuple[str, Any]]) -> list[tuple[str, str]]:
         """Apply queued commands to the engine; returns (request id, error) of refused ones

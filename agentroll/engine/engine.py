@@ -55,6 +55,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # torch intra-op threads (process-wide).  None: 1 for small models on the CPU, where
     # thread hand-offs cost more than the matmuls they split; torch's default otherwise.
     num_threads: int | None = None
+    # The async facade runs up to ``steps_per_call`` steps back to back on the engine thread
+    # before the event loop takes their tokens (fewer when a pause, a new request or an abort
+    # comes in, or once ``max_call_s`` has passed): one hand-off and one wake-up of each
+    # consumer per run instead of per token.  A pause still stops after the step in flight.
+    steps_per_call: int = 8
+    max_call_s: float = 0.02
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -63,6 +69,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.kv_cache_mb < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ConfigError("kv_cache_mb, block_size and max_num_seqs must be >= 1")
+        if self.steps_per_call < 1 or not self.max_call_s > 0:
+            raise ConfigError(
+                f"steps_per_call={self.steps_per_call}, max_call_s={self.max_call_s}: "
+                "use steps_per_call >= 1 and max_call_s > 0"
+            )
 
 
 @dataclass(slots=True)

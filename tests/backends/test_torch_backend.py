@@ -171,3 +171,58 @@ async def test_restart_resume_rolls_back_and_replays(tiny_model: Path) -> None:
 
         got = await collect_stream(backend, sample_request(0, prompt, 32), on_token)
     assert restarted and got[0] == ref[0] and got[1] == ref[1]
+
+
+def test_steps_per_call_is_validated(tiny_model: Path) -> None:
+    from agentroll.engine.engine import EngineConfig
+    from agentroll.errors import ConfigError
+
+    for bad in ({"steps_per_call": 0}, {"max_call_s": 0.0}, {"max_call_s": float("nan")}):
+        with pytest.raises(ConfigError, match="steps_per_call"):
+            EngineConfig(model=str(tiny_model), **bad)  # type: ignore[arg-type]
+
+
+async def _chunks(backend: TorchBackend, rid: str, max_tokens: int) -> list[list[int]]:
+    req = GenerationRequest(
+        request_id=rid,
+        prompt_ids=[5, 6, 7],
+        sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=3),
+    )
+    return [chunk.token_ids async for chunk in backend.generate(req)]
+
+
+async def test_several_steps_per_call_hand_over_tokens_in_runs_and_change_none(
+    tiny_model: Path,
+) -> None:
+    async with TorchBackend(tiny_model, steps_per_call=1) as one:
+        single = await _chunks(one, "a", 24)
+    async with TorchBackend(tiny_model, steps_per_call=4, max_call_s=60.0) as four:
+        runs = await _chunks(four, "a", 24)
+        calls = four.steps
+    assert [len(c) for c in single] == [1] * 24  # one hand-off per token
+    assert [t for c in runs for t in c] == [t for c in single for t in c]  # seed for seed
+    assert max(len(c) for c in runs) == 4 and len(runs) <= 7  # at most 4 steps per hand-off
+    assert calls <= 7
+
+
+async def test_a_pause_stops_a_run_of_steps_after_the_step_in_flight(tiny_model: Path) -> None:
+    async with TorchBackend(tiny_model, steps_per_call=64, max_call_s=60.0) as backend:
+        gen = backend.generate(
+            GenerationRequest(
+                request_id="p",
+                prompt_ids=[5, 6, 7],
+                sampling=SamplingParams(max_tokens=512, ignore_eos=True, seed=1),
+            )
+        )
+        first = await anext(gen)  # a run of up to 64 steps has ended: the next one runs now
+        await asyncio.sleep(0.002)
+        await backend.pause()
+        steps = backend.engine.num_steps
+        done = backend.inflight()["p"]
+        # the run in flight ended after its current step, not 64 steps later
+        assert done - len(first.token_ids) < 64
+        await asyncio.sleep(0.05)
+        assert backend.engine.num_steps == steps and backend.inflight()["p"] == done
+        await backend.resume()
+        total = len(first.token_ids) + sum([len(c.token_ids) async for c in gen])
+        assert total == 512
