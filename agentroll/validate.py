@@ -16,7 +16,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,18 +103,25 @@ async def check_token_parity_pause(
         rng = random.Random(1)
         pauses = 0
 
-        async def maybe_pause(num_tokens: int) -> None:
-            # pause the whole backend at random token boundaries, many times per request
-            nonlocal pauses
-            if rng.random() < 0.08:
-                await backend.pause("keep")
-                pauses += 1
-                await asyncio.sleep(0)
-                await backend.resume()
+        def pauser() -> Callable[[int], Awaitable[None]]:
+            seen = 0
+
+            async def maybe_pause(num_tokens: int) -> None:
+                # pause the whole backend at random token boundaries, many times per
+                # request: 8% a token (a chunk brings one token or a run of them)
+                nonlocal pauses, seen
+                new, seen = max(1, num_tokens - seen), num_tokens
+                if rng.random() < 1.0 - 0.92**new:
+                    await backend.pause("keep")
+                    pauses += 1
+                    await asyncio.sleep(0)
+                    await backend.resume()
+
+            return maybe_pause
 
         paused = await asyncio.gather(
             *(
-                collect_stream(backend, sample_request(i, p, max_tokens), maybe_pause)
+                collect_stream(backend, sample_request(i, p, max_tokens), pauser())
                 for i, p in enumerate(prompts)
             )
         )

@@ -283,6 +283,7 @@ class _FastOps:
                     mask = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
                 self.prefills.append((plan.offsets[i], n, gather, mask))
         self.decode_rows: Tensor | None = None
+        self.all_decodes = len(decodes) == len(plan.items)  # rows are the decodes, in order
         if decodes:
             # One padded call for all decodes; keys past a sequence's length are masked out.
             lengths = torch.tensor([plan.items[i].start_pos + 1 for i in decodes], device=dev)
@@ -312,16 +313,20 @@ class _FastOps:
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self._store(layer, k, v)
-        out = torch.empty_like(q)
         if self.decode_rows is not None:
             shape = (*self.decode_gather.shape, *kc.shape[1:])
             keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
             values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
-            query = q.index_select(0, self.decode_rows).unsqueeze(2)
+            query = (q if self.all_decodes else q.index_select(0, self.decode_rows)).unsqueeze(2)
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=self.decode_mask, enable_gqa=True
-            )
-            out.index_copy_(0, self.decode_rows, o.squeeze(2))
+            ).squeeze(2)
+            if self.all_decodes:
+                return o
+            out = torch.empty_like(q)
+            out.index_copy_(0, self.decode_rows, o)
+        else:
+            out = torch.empty_like(q)
         for off, n, gather, mask in self.prefills:
             o = F.scaled_dot_product_attention(
                 q[off : off + n].transpose(0, 1).unsqueeze(0),

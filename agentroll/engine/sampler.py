@@ -69,7 +69,7 @@ def sample(
         groups[(p.temperature, p.top_p, p.top_k)].append(r)
     for rows in groups.values():
         p = params[rows[0]]
-        lp = filtered_logprobs(logits[rows], p)
+        lp = filtered_logprobs(logits if len(rows) == n else logits[rows], p)
         if p.temperature == 0:
             chosen = torch.argmax(lp, dim=-1)
         else:
