@@ -68,7 +68,7 @@ def train_step(
     optimizer.step()
     rewards = [t.reward for t in batch]
     mean_ratio = float((ratio * m).sum() / m.sum().clamp(min=1))
-    return {"loss": float(loss), "reward": float(np.mean(rewards)), "ratio": mean_ratio}
+    return {"loss": loss.item(), "reward": float(np.mean(rewards)), "ratio": mean_ratio}
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
