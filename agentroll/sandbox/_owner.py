@@ -2,17 +2,40 @@
 
 A process is named by ``(pid, start ticks)`` from ``/proc/PID/stat``: a pid the kernel
 hands to a new process later has other start ticks, so a reused pid never makes a dead
-owner look alive.  Invariant: ``owner_alive`` is False only when the process is provably
-gone (no such pid, or the pid now belongs to a process that started at another time).
+owner look alive.  A pid means something only in its pid namespace and boot, so ``HOST``
+is the host name plus a tag of both: two containers of one Kubernetes pod share a host
+name (and perhaps a docker socket or a /tmp volume) but not their pids, and neither may
+take the other's processes for dead.  Invariant: ``owner_alive`` is False only when the
+process is provably gone (no such pid, or the pid now belongs to a process that started at
+another time), and it is only asked about owners whose ``HOST`` is ours.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from pathlib import Path
 
-HOST = socket.gethostname()
+
+def _pid_space() -> str:
+    """A short tag of this process's pid namespace and of the boot (``""`` when /proc says
+    neither: then a host name alone is all there is)."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = ""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    if not namespace and not boot:
+        return ""
+    return hashlib.blake2s(f"{namespace}/{boot}".encode(), digest_size=4).hexdigest()
+
+
+#: this process's pid space: host name, then ``~`` and the namespace/boot tag
+HOST = socket.gethostname() + (f"~{tag}" if (tag := _pid_space()) else "")
 
 
 def start_ticks(pid: int) -> str:

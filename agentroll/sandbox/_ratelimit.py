@@ -37,7 +37,7 @@ class TokenBucket:
 
 # Labels every container of this project carries (values are strings).
 LABEL = "agentroll.sandbox"
-LABEL_OWNER = "agentroll.owner"  # "<host>:<pid>:<process start ticks>"
+LABEL_OWNER = "agentroll.owner"  # "<host>~<pid space>:<pid>:<start ticks>" (_owner.HOST)
 LABEL_CREATED = "agentroll.created_at"  # unix seconds
 LABEL_TTL = "agentroll.ttl"  # seconds; 0 = none
 LABEL_RUN = "agentroll.run"

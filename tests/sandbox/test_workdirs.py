@@ -17,7 +17,7 @@ from agentroll.sandbox import _files, local
 from agentroll.sandbox._files import _make_workdir, reap_workdirs, workdir_owner
 from agentroll.sandbox._owner import me, owner_alive, start_ticks
 from agentroll.sandbox.base import SandboxConfig
-from agentroll.sandbox.local import LocalSandbox
+from agentroll.sandbox.local import LocalSandbox, bwrap_available
 
 TAG = _files._HOST_TAG
 
@@ -73,7 +73,7 @@ def test_a_reused_pid_does_not_keep_a_dead_owner_alive() -> None:
 
 _CHILD = """
 import asyncio, sys
-from agentroll.sandbox.local import LocalSandbox
+from agentroll.sandbox.local import LocalSandbox, bwrap_available
 from agentroll.sandbox.base import SandboxConfig
 
 async def main():
@@ -104,6 +104,28 @@ def test_a_killed_worker_leaves_a_dir_that_the_next_sweep_removes(tmp_path: Path
     assert workdir.exists()  # no chance to clean up
     assert reap_workdirs(tmp_path) == [workdir]
     assert not workdir.exists()
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(not bwrap_available(), reason="bubblewrap missing: apt-get install bubblewrap")
+def test_a_worker_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path) -> None:
+    # two containers of one pod: one host name, one /tmp volume, two pid namespaces.  The
+    # other worker is pid 1 or 2 in its namespace; here those pids are other processes.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = ["bwrap", "--unshare-pid", "--die-with-parent", "--dev-bind", "/", "/", "--proc", "/proc"]
+    child = subprocess.Popen(
+        [*cmd, sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout is not None
+        workdir = Path(child.stdout.readline().strip())
+        assert workdir.parent == tmp_path and (workdir / "notes.txt").exists()
+        assert workdir_owner(workdir.name) is None  # not a process of this pid namespace
+        assert reap_workdirs(tmp_path) == []
+        assert (workdir / "notes.txt").exists()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
 
 
 async def test_the_first_sandbox_of_a_process_sweeps(
