@@ -567,8 +567,11 @@ class StreamClient:
             transport=FastTransport() if self.url.startswith("http://") else None,
         )
         self._weights_client: httpx.AsyncClient | None = None  # streamed uploads: httpcore
-        self._yielded: set[str] = set()  # handed to the consumer by this process
-        self._acked: set[str] = set()  # acknowledged (by this process or a persisted one)
+        # handed to the consumer by this process and not acknowledged yet (in-flight ids only)
+        self._yielded: set[str] = set()
+        # acknowledged (by this process or a persisted one): grows with the run, about 100
+        # bytes an id (a set of str), and ``seen_path`` about 35 bytes an id on disk
+        self._acked: set[str] = set()
         if self.seen_path is not None:
             self._acked = _load_seen(self.seen_path)
         self.skipped = 0  # re-offered trajectories not yielded again
@@ -668,6 +671,7 @@ class StreamClient:
         reply: AckReply = self._decode(ctype, data, AckReply)
         fresh = [i for i in ids if i not in self._acked]
         self._acked.update(ids)
+        self._yielded.difference_update(ids)  # ``_fresh`` checks ``_acked`` first
         if self.seen_path is not None and fresh:
             await asyncio.to_thread(_append_seen, self.seen_path, fresh)
         return reply.acked

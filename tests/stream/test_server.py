@@ -179,6 +179,32 @@ async def test_acked_before_restart_is_never_yielded_and_is_reacked(tmp_path: Pa
         assert "t-00000000" not in stream.spool  # re-acknowledged, left the spool
 
 
+async def test_the_client_keeps_only_unacknowledged_ids_as_handed_out(tmp_path: Path) -> None:
+    # a long run acknowledges millions of ids: the in-flight set must not grow with it
+    async with worker(tmp_path / "spool") as (stream, url):
+        for i in range(6):
+            await stream.publish([traj(i)])
+        async with StreamClient(url) as client:
+            got: list[str] = []
+            async with contextlib.aclosing(
+                client.batches(max=2, wait=0, auto_ack=True, prefetch=False)
+            ) as batches:
+                async for batch in batches:
+                    got += [t.id for t in batch]
+                    if len(got) == 6:
+                        break
+            assert sorted(got) == [f"t-{i:08d}" for i in range(6)]
+            assert client._yielded == set(got[-2:])  # auto_ack acks it at the next step
+            await client.ack(got[-2:])
+            assert client._yielded == set() and len(client._acked) == 6
+            # a worker that offers an acknowledged id again (its ack log lost) gets it
+            # acknowledged again; it is not handed out twice
+            await stream.publish([traj(0)])
+            batch = await client.lease(max=1, wait=1)
+            assert batch is not None and await client._fresh(batch) == []
+            assert "t-00000000" not in stream.spool and client._yielded == set()
+
+
 async def test_worker_restart_restores_unacked_and_partial_groups(tmp_path: Path) -> None:
     cfg = config(group_size=2)
     async with worker(tmp_path, cfg) as (stream, url):
