@@ -265,9 +265,12 @@ async def train(
 
 def lost_count(status: dict[str, Any]) -> int:
     """Trajectories the worker made durable that neither reached the trainer (acked), were
-    dropped as stale (counted), nor are still in its spool (queued or leased)."""
+    dropped as stale (counted), nor are still in its spool (queued or leased, or records it
+    could not decode at start-up).  ``status`` is one consistent snapshot (see
+    ``TrajectoryStream.status``): a commit in progress counts on neither side."""
     stream = status["stream"]
     published = int(stream["published"]) + int(stream["restored"])
+    published += int(stream.get("undecodable", 0))
     pending = int(status["spool"]["records"])
     return published - int(stream["acked"]) - int(stream["dropped_stale"]) - pending
 

@@ -4,9 +4,12 @@ Invariants: a group is appended and fsync'd to the spool before the buffer can o
 (publishers share fsyncs: group commit; acks commit in their own lane, so the two fsyncs
 overlap); an ack is durable in the spool before the reply says so; trajectories the buffer
 drops as stale are acknowledged in the spool (never offered again); at start-up every
-unacknowledged spool record is restored into the buffer.  The API answers every bad request
-with a 4xx and a message and keeps serving; binding a non-loopback host needs a token, and
-with a token every route requires ``Authorization: Bearer``.
+unacknowledged spool record is restored into the buffer.  ``status()`` is one consistent
+snapshot: its ``published``, ``acked`` and ``dropped_stale`` are what the spool beside them
+holds, also while a commit is half done (``counters`` count callers answered and drops
+decided, which run a commit behind or ahead of the spool).  The API answers every bad
+request with a 4xx and a message and keeps serving; binding a non-loopback host needs a
+token, and with a token every route requires ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import hmac
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +131,9 @@ class TrajectoryStream:
         self._spool: Spool | None = None
         self._lanes = {name: _Lane(name) for name in ("records", "acks")}
         self._drop_ids: list[str] = []
+        # what the spool holds, changed by the commit threads with the spool under this lock
+        self._tally = threading.Lock()
+        self._in_spool = {"published": 0, "acked": 0, "dropped_stale": 0}
         self._closing = False
         self._started = time.monotonic()
         self.counters: dict[str, int] = dict.fromkeys(
@@ -260,23 +267,27 @@ class TrajectoryStream:
     def _commit_records(self, jobs: list[_Job]) -> None:
         """In a thread: append every job's records (one writev), then one fdatasync."""
         spool = self.spool
-        try:  # one writev for the whole round
-            spool.append_many([record for job in jobs for record in job.records])
-        except ValueError:  # an id published before: only its job fails
-            for job in jobs:
-                try:
-                    spool.append_many(job.records)
-                except ValueError as exc:
-                    job.error = ValueError(f"{exc} (published before)")
+        with self._tally:
+            try:  # one writev for the whole round
+                spool.append_many([record for job in jobs for record in job.records])
+            except ValueError:  # an id published before: only its job fails
+                for job in jobs:
+                    try:
+                        spool.append_many(job.records)
+                    except ValueError as exc:
+                        job.error = ValueError(f"{exc} (published before)")
+            self._in_spool["published"] += sum(len(j.records) for j in jobs if j.error is None)
         spool.sync_records()
 
     def _commit_acks(self, jobs: list[_Job], drops: list[str]) -> None:
         """In a thread: record every ack (and stale drop), then one fsync of the ack log."""
         spool = self.spool
-        for job in jobs:
-            job.result = spool.ack(job.ack_ids, sync=False)
-        if drops:
-            spool.ack(drops, sync=False)
+        with self._tally:
+            for job in jobs:
+                job.result = spool.ack(job.ack_ids, sync=False)
+                self._in_spool["acked"] += job.result
+            if drops:  # one the trainer acknowledged meanwhile stays counted as acked
+                self._in_spool["dropped_stale"] += spool.ack(drops, sync=False)
         spool.sync_acks(collect=False)
 
     def _on_drop(self, trajectories: list[Trajectory]) -> None:
@@ -354,16 +365,23 @@ class TrajectoryStream:
     # -- observability ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """Buffer and spool statistics, versions, counters and uptime (JSON-ready)."""
+        """Buffer and spool statistics, versions, counters and uptime (JSON-ready).  In
+        ``stream``, ``published``, ``acked`` and ``dropped_stale`` are read with the spool's
+        figures under one lock: records appended (durable or being fsync'd), acks and stale
+        drops applied to the spool, so ``published + restored + undecodable - acked -
+        dropped_stale == spool records`` holds in every snapshot."""
         self.buffer.expire()
         buffer = msgspec.to_builtins(self.buffer.statistics())
+        with self._tally:
+            stream = {**self.counters, **self._in_spool}
+            spool = msgspec.to_builtins(self.spool.statistics())
         return {
             "uptime_s": time.monotonic() - self._started,
             "policy_version": self.policy_version,
             "trainer_version": buffer["trainer_version"],
-            "stream": dict(self.counters),
+            "stream": stream,
             "buffer": buffer,
-            "spool": msgspec.to_builtins(self.spool.statistics()),
+            "spool": spool,
         }
 
     def metrics(self) -> str:

@@ -13,7 +13,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 
 import httpx
@@ -287,6 +287,55 @@ async def test_a_publish_is_answered_only_after_an_fsync_that_covers_it(tmp_path
         await asyncio.gather(*(publisher(k) for k in range(16)))
         assert len(durable) == 240 and len(spool) == 240
         assert fsyncs[0] <= 240 // 8  # shared
+
+
+async def test_status_is_consistent_while_commits_are_half_done(tmp_path: Path) -> None:
+    """A status read while a commit has changed the spool but not yet answered its caller
+    (records appended, fsync in flight; acks applied, ack-log fsync in flight; a stale drop
+    not yet in the spool) still balances: ``lost_count`` is 0 at every such moment."""
+    from agentroll.loop import lost_count
+
+    async with worker(tmp_path, config(max_staleness=0)) as (stream, _):
+        spool = stream.spool
+        held = threading.Event()
+        release = threading.Event()
+        sync_records, sync_acks = spool.sync_records, spool.sync_acks
+
+        def hold(sync: Callable[..., None]) -> Callable[..., None]:
+            def held_sync(*args: object, **kwargs: object) -> None:
+                held.set()
+                release.wait(10)
+                sync(*args, **kwargs)
+
+            return held_sync
+
+        async def balanced_while(lane: str, work: Awaitable[object]) -> None:
+            held.clear()
+            release.clear()
+            if lane == "records":
+                spool.sync_records = hold(sync_records)  # type: ignore[method-assign]
+            else:
+                spool.sync_acks = hold(sync_acks)  # type: ignore[method-assign]
+            task = asyncio.ensure_future(work)
+            assert await asyncio.to_thread(held.wait, 10)
+            try:
+                assert lost_count(stream.status()) == 0, stream.status()
+            finally:
+                release.set()
+                spool.sync_records, spool.sync_acks = sync_records, sync_acks  # type: ignore[method-assign]
+                await task
+            assert lost_count(stream.status()) == 0
+
+        await balanced_while("records", stream.publish([traj(0, version=1)]))
+        assert stream.status()["stream"]["published"] == 1
+        await stream.publish([traj(1, version=1)])
+        await balanced_while("acks", stream.ack(["t-00000000"]))
+        stream.buffer.set_trainer_version(2)  # t-00000001 is stale now: dropped
+        assert lost_count(stream.status()) == 0  # counted, not in the spool's acks yet
+        await stream.ack([])  # the drop reaches the spool
+        status = stream.status()
+        assert lost_count(status) == 0 and status["spool"]["records"] == 0
+        assert status["stream"]["dropped_stale"] == 1 and status["stream"]["acked"] == 1
 
 
 def make_update(version: int) -> WeightUpdate:
