@@ -1,8 +1,9 @@
 """``agentroll bench engine``: built-in engine throughput vs Hugging Face and vLLM.
 
 All figures come from the same run on the same requests: the built-in engine (default
-mode, and the batch-invariant mode the parity checks run in), ``transformers`` one request at a time with a KV
-cache and as one padded batch, and vLLM when it is installed (``nan`` otherwise).  Every
+mode, and the batch-invariant mode the parity checks run in), ``transformers`` one request
+at a time with a KV cache and as one padded batch, and vLLM when it is installed (``nan``
+otherwise, and then ``ratio_vs_vllm`` is ``nan`` too).  Every
 system generates exactly ``max_tokens`` tokens per request (end-of-sequence ignored), so
 tokens/s compare like with like; figures are medians of ``REPEATS`` timed runs after a
 warm-up.  Prints one ``key=value`` result line.
@@ -182,6 +183,7 @@ def main_engine(
     print(
         f"tokens_per_s={ours:.1f} hf_seq_tokens_per_s={hf_seq:.1f} hf_batch_tokens_per_s={hf_batch:.1f} "
         f"ratio_vs_hf_batch={ours / hf_batch:.2f} vllm_tokens_per_s={vllm_tps:.1f} "
+        f"ratio_vs_vllm={ours / vllm_tps:.2f} "
         f"batch_invariant_tokens_per_s={invariant:.1f} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f} "
         f"matmul_floor_tokens_per_s={floor:.1f} floor_ratio_vs_hf_batch={floor / hf_batch:.2f}"
     )
