@@ -51,7 +51,7 @@ import msgspec
 
 from agentroll.errors import SandboxError
 from agentroll.sandbox._channel import AgentChannel, capture_from
-from agentroll.sandbox._owner import HOST, owner_alive, start_ticks
+from agentroll.sandbox._owner import HOST, me, owner_alive
 from agentroll.sandbox._ratelimit import (
     LABEL,
     LABEL_CREATED,
@@ -152,14 +152,12 @@ class _Spec(msgspec.Struct, frozen=True):
 
 
 _HOST = HOST
-_OWNER = f"{_HOST}:{os.getpid()}:{start_ticks(os.getpid())}"
 
 
 def _owner() -> str:
-    global _OWNER
-    if not _OWNER.startswith(f"{_HOST}:{os.getpid()}:"):  # a forked child is its own owner
-        _OWNER = f"{_HOST}:{os.getpid()}:{start_ticks(os.getpid())}"
-    return _OWNER
+    """This process's owner label (``me()`` is recomputed in a forked child)."""
+    pid, ticks = me()
+    return f"{_HOST}:{pid}:{ticks}"
 
 
 # ---------------------------------------------------------------------------------------

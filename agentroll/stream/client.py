@@ -725,9 +725,10 @@ class StreamClient:
         not acknowledged when the loop stops (a break and an exception look the same to the
         generator, and the consumer may not have finished it): ``ack`` its ids once it is
         done with them; until then this client does not hand them out again, and the worker
-        offers them again after their lease ttl.  Without ``auto_ack`` call ``ack``.  With ``prefetch`` the next lease is requested while the consumer works on
-        the current batch (when the loop stops, a lease in flight is cancelled; anything it
-        had leased is offered again after its ttl).  Raises ``StreamError``."""
+        offers them again after their lease ttl.  Without ``auto_ack`` call ``ack``.  With
+        ``prefetch`` the next lease is requested while the consumer works on the current
+        batch (when the loop stops, a lease in flight is cancelled; anything it had leased
+        is offered again after its ttl).  Raises ``StreamError``."""
         next_lease: asyncio.Future[LeaseBatch | None] | None = None
         acking: collections.deque[asyncio.Future[int]] = collections.deque()
         try:
