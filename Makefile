@@ -33,6 +33,7 @@ $(VLLM_STAMP): $(STAMP)
 
 # The main job: tiny model, warm-up, async RL with two engine replicas, report (runs/demo-*).
 demo: $(STAMP)
+	$(BIN)/python -m agentroll.engine.kernels
 	$(BIN)/agentroll run examples/recipes/demo.toml
 
 # Services the suite needs: bubblewrap and a private docker engine (vLLM installs into the venv).
@@ -47,7 +48,8 @@ lint: $(STAMP)
 
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
 test: $(STAMP) $(VLLM_STAMP) services lint
-	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
+	$(BIN)/python -m agentroll.engine.kernels
+	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm,kernels AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
 		$(BIN)/pytest -q -ra
 
 test-fast: $(STAMP)

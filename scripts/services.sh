@@ -23,4 +23,12 @@ else
   fi
 fi
 
+# g++: builds the engine's C++ CPU kernels (agentroll/engine/kernels.py; ninja comes from pip).
+if command -v g++ >/dev/null 2>&1; then
+  echo "==> g++: ok ($(g++ -dumpversion))"
+elif [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "==> g++: installing with apt-get"
+  apt-get install -y -q g++ >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q g++ >/dev/null; }
+fi
+
 "$(dirname "$0")/dockerd.sh" start

@@ -61,6 +61,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # consumer per run instead of per token.  A pause still stops after the step in flight.
     steps_per_call: int = 8
     max_call_s: float = 0.02
+    # fp32 on the CPU: the C++ kernels of engine/kernels.py (built once per machine); False,
+    # or no compiler, runs the same model on plain torch ops.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -203,7 +206,12 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         self._set_threads(model_dir)
         probe = ModelRunner(
-            model_dir, num_blocks=1, block_size=config.block_size, dtype=dtype, device=config.device
+            model_dir,
+            num_blocks=1,
+            block_size=config.block_size,
+            dtype=dtype,
+            device=config.device,
+            use_kernels=False,
         )
         num_blocks = config.num_blocks or max(16, config.kv_cache_mb * 2**20 // probe.block_bytes)
         self.runner = ModelRunner(
@@ -213,6 +221,7 @@ class LLMEngine:
             dtype=dtype,
             device=config.device,
             batch_invariant=config.batch_invariant,
+            use_kernels=config.cpu_kernels,
         )
         del probe
         mcfg = self.runner.config

@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from agentroll.engine.models.decoder import DecoderModel, load_model, read_tensors, rms_norm
+from agentroll.engine import kernels
+from agentroll.engine.models.decoder import (
+    DecoderModel,
+    apply_rope,
+    load_model,
+    read_tensors,
+    rms_norm,
+)
 from agentroll.errors import ConfigError
 
 INVARIANT_TILE = 32  # rows per matmul in batch-invariant mode (fp32 MKL differs for M=1, 2-3, >=4)
@@ -72,6 +79,7 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         batch_invariant: bool = False,
         invariant_tile: int = INVARIANT_TILE,
+        use_kernels: bool = True,
     ) -> None:
         if num_blocks < 1 or block_size < 1 or invariant_tile < 1:
             raise ConfigError("num_blocks, block_size and invariant_tile must be >= 1")
@@ -96,6 +104,13 @@ class ModelRunner:
         )
         self._cos = torch.empty(0, dim, device=self.device)
         self._sin = torch.empty(0, dim, device=self.device)
+        self.scale = dim**-0.5
+        # the C++ kernels (kernels.py) when they apply: fp32 on the CPU, and buildable here
+        self.kernels = (
+            kernels.get()
+            if use_kernels and self.device.type == "cpu" and dtype == torch.float32
+            else None
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -266,10 +281,12 @@ class ModelRunner:
 
 
 class _FastOps:
-    """Kernels for throughput: whole-batch matmuls, one padded attention call for decodes."""
+    """Kernels for throughput: whole-batch matmuls; decodes attend in one call (the C++ kernel
+    reading the paged cache in place, or one padded SDPA over gathered K/V without it),
+    prefills with SDPA each."""
 
     def __init__(self, runner: ModelRunner, plan: _Plan) -> None:
-        self.runner, self.plan = runner, plan
+        self.runner, self.plan, self.kernels = runner, plan, runner.kernels
         dev, bs = runner.device, runner.block_size
         decodes = [i for i, it in enumerate(plan.items) if len(it.token_ids) == 1]
         self.prefills: list[tuple[int, int, Tensor, Tensor | None]] = []
@@ -285,24 +302,39 @@ class _FastOps:
         self.decode_rows: Tensor | None = None
         self.all_decodes = len(decodes) == len(plan.items)  # rows are the decodes, in order
         if decodes:
-            # One padded call for all decodes; keys past a sequence's length are masked out.
-            lengths = torch.tensor([plan.items[i].start_pos + 1 for i in decodes], device=dev)
-            nb = -(-int(lengths.max()) // bs)
+            lengths = [plan.items[i].start_pos + 1 for i in decodes]
+            nb = -(-max(lengths) // bs)
             tables = [list(plan.items[i].block_table[:nb]) for i in decodes]
             blocks = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=dev)
-            self.decode_gather = (blocks[:, :, None] * bs + runner._block_offsets).flatten(1)
-            keys = torch.arange(nb * bs, device=dev)
-            self.decode_mask = (keys[None, :] < lengths[:, None])[:, None, None, :]
             self.decode_rows = torch.tensor([plan.offsets[i] for i in decodes], device=dev)
+            if self.kernels is not None:
+                self.decode_tables = blocks
+                self.decode_index = torch.arange(len(decodes), device=dev)
+                self.decode_lens = torch.tensor(lengths, device=dev)
+            else:
+                # One padded call for all decodes; keys past a sequence's end are masked out.
+                self.decode_gather = (blocks[:, :, None] * bs + runner._block_offsets).flatten(1)
+                keys = torch.arange(nb * bs, device=dev)
+                lens = torch.tensor(lengths, device=dev)
+                self.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.linear(x, weight, bias)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate.contiguous(), up.contiguous())
         return F.silu(gate) * up
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x.contiguous(), weight, eps)
         return rms_norm(x, weight, eps)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.rope_(x.contiguous(), cos.squeeze(1), sin.squeeze(1))
+        return apply_rope(x, cos, sin)
 
     def _store(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         kc = self.runner.k_cache[layer].view(-1, *k.shape[1:])
@@ -311,18 +343,31 @@ class _FastOps:
         vc.index_copy_(0, self.plan.slots, v)
         return kc, vc
 
+    def _decode_attention(self, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.paged_attention(
+                q.contiguous(),
+                kc,
+                vc,
+                self.decode_tables,
+                self.decode_index,
+                self.decode_lens,
+                self.runner.block_size,
+                self.runner.scale,
+            )
+        shape = (*self.decode_gather.shape, *kc.shape[1:])
+        keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
+        values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=self.decode_mask, enable_gqa=True
+        ).squeeze(2)
+
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self._store(layer, k, v)
         if self.decode_rows is not None:
-            shape = (*self.decode_gather.shape, *kc.shape[1:])
-            keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
-            values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
-            query = (q if self.all_decodes else q.index_select(0, self.decode_rows)).unsqueeze(2)
-            o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=self.decode_mask, enable_gqa=True
-            ).squeeze(2)
             if self.all_decodes:
-                return o
+                return self._decode_attention(q, kc, vc)
+            o = self._decode_attention(q.index_select(0, self.decode_rows), kc, vc)
             out = torch.empty_like(q)
             out.index_copy_(0, self.decode_rows, o)
         else:
@@ -345,17 +390,37 @@ class _InvariantOps(_FastOps):
 
     Measured on this CPU (MKL sgemm): a row of ``x @ W.T`` rounds differently for M=1, M in
     {2, 3} and M >= 4, and elementwise transcendental ops round differently in the scalar tail
-    than in the vector body.  So matmuls and norms run on fixed tiles of ``invariant_tile`` rows
-    (zero-padded), SiLU on fixed single-threaded chunks padded to the vector width, and each
-    query row attends alone over exactly its own prefix, like a decode step would.
+    than in the vector body.  So matmuls run on fixed tiles of ``invariant_tile`` rows
+    (zero-padded), and each query row attends over exactly its own prefix, like a decode step
+    would.  With the C++ kernels (fp32, CPU) norms, SiLU, RoPE and attention are per-row by
+    construction (see ``csrc/cpu_kernels.cpp``) and attention is one call for every row;
+    without them norms run on the same tiles as matmuls, SiLU on fixed single-threaded chunks
+    padded to the vector width, and attention is one SDPA call per query row.
     """
 
     def __init__(self, runner: ModelRunner, plan: _Plan) -> None:
         self.runner, self.plan, self.tile = runner, plan, runner.invariant_tile
-        self.gathers = [
-            runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
-            for it in plan.items
-        ]
+        self.kernels = runner.kernels
+        dev = runner.device
+        if self.kernels is not None:
+            # every query row: its item's table row and its number of keys (its own prefix)
+            nb = max(
+                -(-(it.start_pos + len(it.token_ids)) // runner.block_size) for it in plan.items
+            )
+            tables = [list(it.block_table[:nb]) for it in plan.items]
+            self.tables = torch.tensor([t + [0] * (nb - len(t)) for t in tables], device=dev)
+            rows: list[int] = []
+            lens: list[int] = []
+            for i, it in enumerate(plan.items):
+                rows.extend([i] * len(it.token_ids))
+                lens.extend(range(it.start_pos + 1, it.start_pos + len(it.token_ids) + 1))
+            self.rows = torch.tensor(rows, device=dev)
+            self.lens = torch.tensor(lens, device=dev)
+        else:
+            self.gathers = [
+                runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
+                for it in plan.items
+            ]
 
     def _tiled(self, fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
         m = x.shape[0]
@@ -369,6 +434,8 @@ class _InvariantOps(_FastOps):
         return self._tiled(lambda t: F.linear(t, weight, bias), x, self.tile)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return super().silu_mul(gate, up)
         width = gate.shape[1]
         pad = -width % _VECTOR_ALIGN
         rows = max(1, _ELEMENTWISE_GRAIN // (width + pad))
@@ -376,19 +443,32 @@ class _InvariantOps(_FastOps):
         return self._tiled(act, gate, rows) * up
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if self.kernels is not None:
+            return super().rms_norm(x, weight, eps)
         flat = x.reshape(-1, x.shape[-1])
         return self._tiled(lambda t: rms_norm(t, weight, eps), flat, self.tile).view(x.shape)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self._store(layer, k, v)
+        if self.kernels is not None:
+            return self.kernels.paged_attention(
+                q.contiguous(),
+                kc,
+                vc,
+                self.tables,
+                self.rows,
+                self.lens,
+                self.runner.block_size,
+                self.runner.scale,
+            )
         queries = q.unsqueeze(2)  # [T, heads, 1, hd]: one query row per call
-        rows: list[Tensor] = []
+        out: list[Tensor] = []
         for off, item, gather in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):
             keys = kc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
             values = vc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
             for r in range(len(item.token_ids)):
                 end = item.start_pos + r + 1
-                rows.append(
+                out.append(
                     F.scaled_dot_product_attention(
                         queries[off + r : off + r + 1],
                         keys[:, :, :end],
@@ -396,4 +476,4 @@ class _InvariantOps(_FastOps):
                         enable_gqa=True,
                     )
                 )
-        return torch.cat(rows).squeeze(2)
+        return torch.cat(out).squeeze(2)

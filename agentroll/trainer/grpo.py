@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from agentroll._fs import atomic_dir
-from agentroll.engine.models.decoder import DecoderModel, load_model, rms_norm
+from agentroll.engine.models.decoder import DecoderModel, apply_rope, load_model, rms_norm
 from agentroll.errors import ConfigError
 from agentroll.trainer.base import TrainStats
 from agentroll.trainer.batch import Batch
@@ -194,6 +194,9 @@ class _TrainOps:
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rms_norm(x, weight, eps)
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rope(x, cos, sin)  # torch ops: training needs their gradients
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         groups = q.shape[1] // k.shape[1]

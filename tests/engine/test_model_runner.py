@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from agentroll.engine import kernels
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
 from agentroll.engine.models import DecoderConfig, read_config
 from agentroll.errors import ConfigError
@@ -71,12 +73,17 @@ def assert_parity(runner: ModelRunner, reference: Any) -> None:
         assert ref[len(prompt) - 1 : -1].argmax(-1).tolist() == seq[len(prompt) :]
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_reference_parity_with_transformers(
-    tiny: Path, transformers: Any, batch_invariant: bool
+    tiny: Path, transformers: Any, batch_invariant: bool, use_kernels: bool
 ) -> None:
     reference = transformers.AutoModelForCausalLM.from_pretrained(tiny).eval()
-    assert_parity(ModelRunner(tiny, num_blocks=64, batch_invariant=batch_invariant), reference)
+    runner = ModelRunner(
+        tiny, num_blocks=64, batch_invariant=batch_invariant, use_kernels=use_kernels
+    )
+    assert (runner.kernels is not None) == (use_kernels and kernels.get() is not None)
+    assert_parity(runner, reference)
 
 
 def _config(arch: str, **extra: Any) -> dict[str, Any]:
@@ -111,8 +118,14 @@ def test_qwen3_and_llama_match_transformers(
     write_checkpoint(tmp_path, raw, random_weights(cfg, seed=3))
     assert cfg.qk_norm == (arch == "Qwen3ForCausalLM") and not cfg.qkv_bias
     reference = getattr(transformers, arch).from_pretrained(tmp_path).eval()
-    for invariant in (False, True):
-        runner = ModelRunner(tmp_path, num_blocks=64, block_size=4, batch_invariant=invariant)
+    for invariant, use_kernels in itertools.product((False, True), (True, False)):
+        runner = ModelRunner(
+            tmp_path,
+            num_blocks=64,
+            block_size=4,
+            batch_invariant=invariant,
+            use_kernels=use_kernels,
+        )
         for i, prompt in enumerate(PROMPTS[:2]):
             prompt = [t % 320 for t in prompt]
             seq, logits = greedy(runner, prompt, shuffled_table(20, seed=i), steps=8)
@@ -135,13 +148,14 @@ def chunked(runner: ModelRunner, prompt: list[int], table: list[int], size: int)
     return torch.cat(rows)
 
 
-def test_chunked_prefill_matches_whole_prompt(tiny: Path) -> None:
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
+def test_chunked_prefill_matches_whole_prompt(tiny: Path, use_kernels: bool) -> None:
     prompt, table = PROMPTS[1], shuffled_table(4, seed=7)
-    fast = ModelRunner(tiny, num_blocks=64)
+    fast = ModelRunner(tiny, num_blocks=64, use_kernels=use_kernels)
     whole = fast.forward([ForwardItem(prompt, 0, table, want_all_logits=True)]).all_logits[0]
     assert (chunked(fast, prompt, table, 5) - whole).abs().max() <= 1e-5
     # Batch-invariant mode: bit-exact whatever the chunking, even one token at a time.
-    exact = ModelRunner(tiny, num_blocks=64, batch_invariant=True)
+    exact = ModelRunner(tiny, num_blocks=64, batch_invariant=True, use_kernels=use_kernels)
     whole = exact.forward([ForwardItem(prompt, 0, table, want_all_logits=True)]).all_logits[0]
     for size in (1, 5, 16):
         assert torch.equal(chunked(exact, prompt, table, size), whole)
@@ -175,14 +189,26 @@ def test_read_write_blocks_round_trip_bit_exact(tiny: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("invariant", "dtype"),
-    [(True, torch.float32), (True, torch.bfloat16), (False, torch.float32)],
+    ("invariant", "dtype", "use_kernels"),
+    [
+        (True, torch.float32, True),
+        (True, torch.float32, False),
+        (True, torch.bfloat16, True),  # no bf16 kernels: the torch path
+        (False, torch.float32, True),
+        (False, torch.float32, False),
+    ],
 )
 def test_batch_invariant_alone_vs_with_seven_others(
-    tiny: Path, invariant: bool, dtype: torch.dtype
+    tiny: Path, invariant: bool, dtype: torch.dtype, use_kernels: bool
 ) -> None:
     def run(with_others: bool) -> list[torch.Tensor]:
-        runner = ModelRunner(tiny, num_blocks=128, batch_invariant=invariant, dtype=dtype)
+        runner = ModelRunner(
+            tiny,
+            num_blocks=128,
+            batch_invariant=invariant,
+            dtype=dtype,
+            use_kernels=use_kernels,
+        )
         rng = random.Random(1)
         others = [[rng.randrange(1000) for _ in range(rng.randrange(3, 40))] for _ in range(7)]
         tables = [list(range(8 * i, 8 * i + 8)) for i in range(8)]

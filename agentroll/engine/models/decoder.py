@@ -1,9 +1,9 @@
 """One generic decoder-only transformer (Llama, Qwen2, Qwen3) and its safetensors loader.
 
 Parameters carry Hugging Face names, so checkpoints, weight updates and state dicts share one
-naming.  The math is written against :class:`Ops`, supplied by the model runner (linear layers,
-norms, the gated activation, paged attention): this file never chooses kernels nor touches the
-KV cache.  For the same weights and tokens it computes what ``transformers`` computes, up to
+naming.  The math is written against :class:`Ops`, supplied by the model runner (linear
+layers, norms, the gated activation, RoPE, paged attention): this file never chooses kernels
+nor touches the KV cache.  For the same weights and tokens it computes what ``transformers`` computes, up to
 floating-point rounding.  Checkpoint problems raise :class:`ConfigError` naming the file, field
 or tensor; pickled checkpoints are never loaded.
 """
@@ -177,6 +177,10 @@ class Ops(Protocol):
         """RMSNorm over the last dimension (see :func:`rms_norm`)."""
         ...
 
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotate-half RoPE of x [T, heads, hd] (see :func:`apply_rope`); may work in place."""
+        ...
+
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store k, v [T, kv_heads, hd] in the cache, attend q [T, heads, hd]; -> [T, heads, hd]."""
         ...
@@ -225,7 +229,7 @@ class Attention(nn.Module):
         v = ops.linear(x, self.v_proj.weight, self.v_proj.bias).view(t, self.num_kv_heads, -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
-        out = ops.attention(layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        out = ops.attention(layer, ops.rope(q, cos, sin), ops.rope(k, cos, sin), v)
         return ops.linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias)
 
 

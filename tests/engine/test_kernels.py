@@ -1,0 +1,170 @@
+"""The C++ CPU kernels: agreement with the torch reference, per-row invariance, bad input, and
+the loader (cache, off switch, a machine without a compiler)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentroll.engine import kernels
+from agentroll.engine.models.decoder import apply_rope, rms_norm
+
+pytestmark = pytest.mark.kernels
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    module = kernels.get()
+    if module is None:
+        pytest.skip(f"the CPU kernels could not be built: {kernels._state.get('error')}")
+    return module
+
+
+def test_rms_norm_silu_rope_match_torch(ext: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 128), (33, 96), (5, 4, 32), (7, 1000)]:
+        x = torch.randn(*shape, generator=gen) * 3
+        w = torch.randn(shape[-1], generator=gen)
+        assert torch.allclose(ext.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), atol=2e-6, rtol=1e-5)
+    gate, up = torch.randn(2, 9, 130, generator=gen) * 4
+    assert torch.allclose(ext.silu_mul(gate, up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    x = torch.randn(6, 3, 64, generator=gen)
+    cos, sin = torch.randn(2, 6, 64, generator=gen)
+    want = apply_rope(x, cos[:, None], sin[:, None])
+    got = ext.rope_(x.clone(), cos, sin)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks * block_size, kv_heads, dim)
+    return torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+
+
+def _reference(q, kc, vc, tables, rows, lens, block_size):  # type: ignore[no-untyped-def]
+    out = []
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        table = tables[int(rows[i])]
+        slots = [int(table[p // block_size]) * block_size + p % block_size for p in range(n)]
+        idx = torch.tensor(slots)
+        k = kc.index_select(0, idx).transpose(0, 1)[None]  # [1, kvh, n, d]
+        v = vc.index_select(0, idx).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[i : i + 1, :, None], k, v, enable_gqa=True)
+        out.append(o[:, :, 0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"), [(2, 1, 64, 16), (4, 2, 32, 4), (3, 3, 16, 5)]
+)
+def test_paged_attention_matches_gather_and_sdpa(
+    ext: ModuleType, heads: int, kv_heads: int, dim: int, block_size: int
+) -> None:
+    num_blocks = 40
+    kc, vc = _cache(num_blocks, block_size, kv_heads, dim, seed=heads)
+    rng = random.Random(heads)
+    # shuffled, partly shared block tables; some rows are the causal rows of one prefill
+    tables = torch.tensor([rng.sample(range(num_blocks), 8) for _ in range(4)])
+    tables[1, :3] = tables[0, :3]  # a shared prefix
+    rows = torch.tensor([0, 1, 2, 3, 3, 3, 3])
+    lens = torch.tensor([1, 8 * block_size, 3 * block_size + 1, 10, 11, 12, 13])
+    q = torch.randn(len(rows), heads, dim, generator=torch.Generator().manual_seed(9))
+    got = ext.paged_attention(q, kc, vc, tables, rows, lens, block_size, dim**-0.5)
+    want = _reference(q, kc, vc, tables, rows, lens, block_size)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_every_kernel_is_per_row_invariant(ext: ModuleType) -> None:
+    """A row's result is bit-identical alone and among any others (the batch-invariant mode
+    depends on it), and a prefill row equals the same position computed as a decode."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(37, 130, generator=gen), torch.randn(130, generator=gen)
+    full = ext.rms_norm(x, w, 1e-6)
+    silu = ext.silu_mul(x, x)
+    for r in (0, 17, 36):
+        assert torch.equal(ext.rms_norm(x[r : r + 1].clone(), w, 1e-6), full[r : r + 1])
+        assert torch.equal(
+            ext.silu_mul(x[r : r + 1].clone(), x[r : r + 1].clone()), silu[r : r + 1]
+        )
+    kc, vc = _cache(32, 16, 1, 64, seed=2)
+    tables = torch.arange(32).view(2, 16)
+    q = torch.randn(40, 2, 64, generator=gen)
+    rows, lens = torch.zeros(40, dtype=torch.long), torch.arange(100, 140)
+    prefill = ext.paged_attention(q, kc, vc, tables, rows, lens, 16, 0.125)
+    for r in (0, 21, 39):
+        one = ext.paged_attention(
+            q[r : r + 1].clone(), kc, vc, tables[:1].clone(), rows[:1], lens[r : r + 1], 16, 0.125
+        )
+        assert torch.equal(one, prefill[r : r + 1])
+
+
+def test_bad_input_raises_and_names_it(ext: ModuleType) -> None:
+    kc, vc = _cache(4, 4, 1, 8, seed=3)
+    q = torch.randn(1, 1, 8)
+    ok = (torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([5]))
+    ext.paged_attention(q, kc, vc, *ok, 4, 1.0)
+    with pytest.raises(RuntimeError, match="block id 9"):
+        ext.paged_attention(q, kc, vc, torch.tensor([[0, 9]]), ok[1], ok[2], 4, 1.0)
+    with pytest.raises(RuntimeError, match="lens"):
+        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([0]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="lens"):
+        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([9]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="not a table row"):
+        ext.paged_attention(q, kc, vc, ok[0], torch.tensor([1]), ok[2], 4, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.silu_mul(torch.ones(4, 4).t(), torch.ones(4, 4))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ext.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_off_switch_and_a_machine_without_a_compiler(tmp_path: Path) -> None:
+    probe = (
+        "from agentroll.engine import kernels; from agentroll.engine.model_runner import ModelRunner;"
+        "from agentroll.validate import ensure_tiny_model;"
+        "r = ModelRunner(ensure_tiny_model(), num_blocks=4); print('kernels', r.kernels is not None)"
+    )
+    off = _python(probe, AGENTROLL_CPU_KERNELS="0")
+    assert off.returncode == 0, off.stderr
+    assert "kernels False" in off.stdout and "warning" not in off.stderr
+    # an empty cache and no working compiler: a warning that says what to do, and torch ops
+    broken = _python(probe, AGENTROLL_KERNEL_DIR=str(tmp_path), CXX="/bin/false")
+    assert broken.returncode == 0, broken.stderr
+    assert "kernels False" in broken.stdout
+    assert "could not be built" in broken.stderr and "apt-get install g++" in broken.stderr
+    assert not list(tmp_path.glob("*/*.so"))
+
+
+@pytest.mark.slow
+def test_builds_from_scratch_into_an_empty_cache(tmp_path: Path) -> None:
+    code = (
+        "from agentroll.engine import kernels; import torch;"
+        "m = kernels.build(); x = torch.randn(3, 8);"
+        "print('ok', torch.allclose(m.rms_norm(x, torch.ones(8), 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))"
+    )
+    done = _python(code, AGENTROLL_KERNEL_DIR=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "ok True" in done.stdout and "compiling" in done.stderr
+    assert len(list(tmp_path.glob("*/*.so"))) == 1
+    again = _python(code, AGENTROLL_KERNEL_DIR=str(tmp_path))  # cached: no second build
+    assert again.returncode == 0 and "ok True" in again.stdout and "compiling" not in again.stderr
