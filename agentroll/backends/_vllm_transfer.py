@@ -208,7 +208,7 @@ class ReferenceScorer:
             token_ids=ids, start_pos=0, block_table=table, want_logits=False, want_all_logits=True
         )
         logits = runner.forward([item]).all_logits[0].float()
-        lp = torch.log_softmax(logits, dim=-1)[:-1]
+        lp = runner.log_softmax(logits)[:-1]
         return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
 
 

@@ -357,6 +357,7 @@ class LLMEngine:
                 [r.params for r in reqs],
                 [r.seed for r in reqs],
                 [len(r.logprobs) for r in reqs],
+                self.runner.kernels,
             )
             version = self.policy_version
             for (_, s), req, token, lp in zip(sampling, reqs, tokens, logprobs, strict=True):
@@ -408,7 +409,7 @@ class LLMEngine:
             logits = self.runner.forward([item]).all_logits[0].float()
         finally:
             bm.free(seq)  # never marked computed: nothing enters the prefix cache
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = self.runner.log_softmax(logits)  # the sampler's arithmetic: equal logprobs
         targets = torch.tensor(token_ids[1:], dtype=torch.long)
         return lp[:-1].gather(1, targets[:, None])[:, 0].tolist()
 
@@ -472,7 +473,10 @@ class LLMEngine:
         it is refused.  Call only while no step runs (the facade pauses first)."""
         store = self.weight_store()
         store.version = self.policy_version
-        store.apply(update)
+        try:
+            store.apply(update)
+        finally:  # the store writes the live tensors in place (and restores them on failure)
+            self.runner.weights_changed()
         self.scheduler.set_weights_version(update.version)
         return update.version
 
@@ -485,7 +489,10 @@ class LLMEngine:
         """Install a staged update (call only while no step runs); returns the version."""
         store = self.weight_store()
         store.version = self.policy_version
-        store.commit(staged)
+        try:
+            store.commit(staged)
+        finally:
+            self.runner.weights_changed()
         self.scheduler.set_weights_version(staged.version)
         return staged.version
 

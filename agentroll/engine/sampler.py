@@ -5,12 +5,14 @@ pure function of ``(seed, i)`` (splitmix64), so a request's tokens depend only o
 logits, its ``SamplingParams`` and its seed -- never on the other rows of the batch, and
 nothing but the step count needs saving in a snapshot; sampling is by inverse CDF over the
 filtered distribution, vectorised over rows that share parameters; logprobs are those of the
-distribution actually sampled from (after temperature, top-k and top-p), in fp32.
+distribution actually sampled from (after temperature, top-k and top-p), in fp32.  The C++
+kernels' ``sample`` (engine/kernels.py) implements the same definition for fp32 on the CPU.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -56,10 +58,27 @@ def sample(
     params: list[SamplingParams],
     seeds: list[int],
     steps: list[int],
+    kernels: Any | None = None,
 ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` ([n, vocab]); row ``r`` uses ``params[r]`` and the
-    random number ``uniform(seeds[r], steps[r])``.  Returns token ids and their logprobs."""
+    random number ``uniform(seeds[r], steps[r])``.  Returns token ids and their logprobs.
+
+    With ``kernels`` (the engine's C++ CPU kernels) the whole batch is one call of their
+    ``sample``, which follows the same definition; its arithmetic differs in rounding (its
+    own exp, the mass summed in blocks, ties in top-p ranked by token id), so the two paths
+    may pick different tokens where the mass is split within rounding -- each is
+    deterministic and per-row on its own."""
     logits = logits.detach().to("cpu", torch.float32)
+    if kernels is not None:
+        draws = [uniform(seed, step) for seed, step in zip(seeds, steps, strict=True)]
+        tokens, logprobs = kernels.sample(
+            logits.contiguous(),
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.tensor(draws, dtype=torch.float32),
+        )
+        return tokens.tolist(), logprobs.tolist()
     n = logits.shape[0]
     tokens = [0] * n
     logprobs = [0.0] * n

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from agentroll.backends.base import SamplingParams
 from agentroll.engine.engine import EngineConfig, LLMEngine, RequestSnapshot
@@ -27,9 +28,10 @@ def prompt(engine: LLMEngine, text: str) -> list[int]:
     return engine.tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512))
+@pytest.fixture(scope="module", params=[True, False], ids=["kernels", "torch"])
+def engine(tiny_model: Path, request: pytest.FixtureRequest) -> LLMEngine:
+    """The engine on the C++ CPU kernels and on plain torch ops: every test runs on both."""
+    return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=512, cpu_kernels=request.param))
 
 
 P = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
@@ -160,3 +162,41 @@ def test_score_matches_sampling_logprobs(engine: LLMEngine) -> None:
 def test_missing_model_dir_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="create-tiny"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("path", ["delta", "staged", "load_weights"])
+def test_every_weight_update_path_reaches_the_computation(tiny_model: Path, path: str) -> None:
+    """The engine derives data from the weights (the kernels' transposed copies); after an
+    update through any path its logits equal those of an engine started on the new weights."""
+    from agentroll.engine.models.decoder import read_tensors
+    from agentroll.weights.exporter import WeightExporter
+
+    base = read_tensors(tiny_model)
+    new = {
+        n: t + 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+        for n, t in base.items()
+    }
+    prompt = list(range(30, 60))
+
+    def logits(e: LLMEngine) -> torch.Tensor:
+        return torch.tensor(e.score(prompt))
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model)))
+    before = logits(engine)  # derived copies now exist for the old weights
+    if path == "load_weights":
+        engine.load_weights(new)
+    else:
+        live = dict(base)
+        exporter = WeightExporter(lambda: live)
+        live.update(new)
+        update = exporter.export()
+        assert update.kind == "delta" or path == "staged"
+        if path == "delta":
+            engine.apply_update(update)
+        else:
+            engine.commit_staged(engine.stage_update(update))
+    fresh = LLMEngine(EngineConfig(model=str(tiny_model)))
+    fresh.load_weights(new)
+    after = logits(engine)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, logits(fresh))

@@ -168,3 +168,70 @@ def test_builds_from_scratch_into_an_empty_cache(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*/*.so"))) == 1
     again = _python(code, AGENTROLL_KERNEL_DIR=str(tmp_path))  # cached: no second build
     assert again.returncode == 0 and "ok True" in again.stdout and "compiling" not in again.stderr
+
+
+def _sample(
+    ext: ModuleType, logits: torch.Tensor, temp: float, top_k: int, top_p: float, u: list[float]
+):  # type: ignore[no-untyped-def]
+    n = logits.shape[0]
+    return ext.sample(
+        logits,
+        torch.full((n,), temp),
+        torch.full((n,), top_k, dtype=torch.long),
+        torch.full((n,), top_p),
+        torch.tensor(u, dtype=torch.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    ("temp", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 1.0), (1.0, 0, 0.8), (0.9, 50, 0.9)],
+)
+def test_sample_draws_from_the_filtered_distribution(
+    ext: ModuleType, temp: float, top_k: int, top_p: float
+) -> None:
+    """Each token is where u falls in the filtered distribution's mass (checked in float64 up
+    to rounding), its logprob is that distribution's, and filtered-out tokens never come."""
+    from agentroll.backends.base import SamplingParams
+    from agentroll.engine.sampler import filtered_logprobs
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 300, generator=gen) * 2
+    u = torch.rand(64, generator=gen).tolist()
+    tokens, logprobs = _sample(ext, logits, temp, top_k, top_p, u)
+    ref = filtered_logprobs(logits, SamplingParams(temperature=temp, top_k=top_k, top_p=top_p))
+    for r in range(64):
+        t = int(tokens[r])
+        assert torch.isfinite(ref[r, t]), f"row {r}: token {t} was filtered out"
+        assert abs(float(logprobs[r]) - float(ref[r, t])) < 2e-5
+        probs = ref[r].double().exp()
+        before, upto = float(probs[:t].sum()), float(probs[: t + 1].sum())
+        assert before - 1e-5 <= u[r] <= upto + 1e-5, (r, t, before, u[r], upto)
+
+
+def test_sample_frequencies_follow_the_probabilities(ext: ModuleType) -> None:
+    logits = torch.tensor([[2.0, 0.5, -1.0, 1.0, 0.0]]).repeat(4000, 1)
+    u = [(i + 0.5) / 4000 for i in range(4000)]  # an even grid: counts are the masses
+    tokens, _ = _sample(ext, logits, 1.0, 0, 1.0, u)
+    counts = torch.bincount(tokens, minlength=5).double() / 4000
+    assert torch.allclose(counts, torch.softmax(logits[0].double(), -1), atol=1e-3)
+
+
+def test_greedy_log_softmax_and_per_row_invariance(ext: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(20, 1000, generator=gen) * 3
+    tokens, logprobs = _sample(ext, logits, 0.0, 0, 1.0, [0.5] * 20)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    lsm = ext.log_softmax(logits)
+    assert torch.allclose(lsm, torch.log_softmax(logits, -1), atol=1e-5)
+    # what sample reports at temperature 1 is exactly what log_softmax gives (rescoring)
+    u = torch.rand(20, generator=gen).tolist()
+    tokens, logprobs = _sample(ext, logits, 1.0, 0, 1.0, u)
+    assert torch.equal(logprobs, lsm.gather(1, tokens[:, None])[:, 0])
+    for r in (0, 7, 19):
+        t1, l1 = _sample(ext, logits[r : r + 1].clone(), 1.0, 0, 1.0, u[r : r + 1])
+        assert int(t1[0]) == int(tokens[r]) and float(l1[0]) == float(logprobs[r])
+    with pytest.raises(RuntimeError, match="top_k must be"):
+        ext.sample(
+            logits, torch.ones(20), torch.zeros(3, dtype=torch.long), torch.ones(20), torch.ones(20)
+        )

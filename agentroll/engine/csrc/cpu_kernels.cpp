@@ -11,17 +11,33 @@
 // - Attention reads K/V where the block table says (slot = table[b] * block_size + offset)
 //   and never writes the cache; query row t attends to keys 0 .. lens[t]-1 of table row
 //   rows[t] (causality is expressed by lens).
-// - Transcendentals are scalar libm calls (expf), never a vector approximation whose result
-//   could depend on the lane an element lands in.
+// - exp is fast_exp below: plain float arithmetic (Cephes' range reduction and polynomial,
+//   about 1 ulp in float32), vectorised by the compiler; a value's result does not depend on
+//   the lane or the loop it is computed in, and exp(-inf) is exactly 0.  Inside the kernels
+//   denormals flush to zero (FlushDenormals), the same for every row and every call.
+// - Sampling (sample, log_softmax) follows agentroll/engine/sampler.py: the distribution is
+//   temperature-scaled, cut to the top-k and the top-p nucleus, and the token is the first
+//   whose running probability mass (summed in fixed blocks: scan_mass) exceeds u times the
+//   total; log_softmax uses the very same code path, so a rescored logprob equals the
+//   sampled one bit for bit.
 // - Inputs are checked (dtype, device, layout, shapes, index ranges) before any write; a
 //   violation raises (RuntimeError in Python) and leaves every output untouched.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <tuple>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace {
 
@@ -36,6 +52,51 @@ void check_i64(const torch::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64, name, " must be int64, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dims, got ", t.dim());
+}
+
+// Flush denormals to zero (FTZ + DAZ) for the guard's lifetime, on this thread.  g++ splits
+// loops around fast_exp by the clamp's ranges and computes the out-of-range paths on every
+// lane; there g / (1 + exp(88)) underflows to a denormal, and each denormal costs a
+// microcode assist: silu_mul was 13x slower without this (measured).  Results that matter
+// are never denormal here, so flushing changes no output that is used.
+class FlushDenormals {
+ public:
+  FlushDenormals() {
+#if defined(__SSE__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ | 0x8040u);
+#endif
+  }
+  ~FlushDenormals() {
+#if defined(__SSE__)
+    _mm_setcsr(saved_);
+#endif
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
+
+inline float fast_exp(float x) {
+  // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (in two parts)
+  x = x > -88.f ? x : -88.f;
+  x = x < 88.f ? x : 88.f;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;  // n = -127 (x <= -88): exp 0
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -60,6 +121,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * n;
       const float inv = 1.f / std::sqrt(dot(row, row, n) / static_cast<float>(n) + feps);
@@ -83,11 +145,13 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   const float* upp = up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * n;
       const float* u = upp + r * n;
       float* o = op + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
     }
   });
   return out;
@@ -107,6 +171,7 @@ torch::Tensor rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tens
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, t * heads, 64, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     for (int64_t i = begin; i < end; ++i) {
       float* v = xp + i * d;
       const float* c = cp + (i / heads) * d;
@@ -167,42 +232,211 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const int64_t group = h / kvh;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, t * kvh, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
     std::vector<float> scores;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kvh, kv = i % kvh, len = lp[row];
       const int64_t* table = tp + rp[row] * nb;
       const float* qrow = qp + (row * h + kv * group) * d;  // the group's heads are adjacent
       float* orow = op + (row * h + kv * group) * d;
-      scores.assign(group * len, 0.f);
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* key = kp + (slot * kvh + kv) * d;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + p] = dot(qrow + g * d, key, d) * fscale;
+      scores.resize(group * len);
+      for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const int64_t base = table[p0 / block_size] * block_size;
+        const int64_t count = std::min(block_size, len - p0);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* key = kp + ((base + j) * kvh + kv) * d;
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * len + p0 + j] = dot(qrow + g * d, key, d) * fscale;
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         float top = s[0];
         for (int64_t p = 1; p < len; ++p) top = s[p] > top ? s[p] : top;
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t p = 0; p < len; ++p) {
-          s[p] = std::exp(s[p] - top);
+          s[p] = fast_exp(s[p] - top);
           total += s[p];
         }
         const float inv = 1.f / total;
+#pragma omp simd
         for (int64_t p = 0; p < len; ++p) s[p] *= inv;
         float* o = orow + g * d;
         for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
       }
-      for (int64_t p = 0; p < len; ++p) {
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-        const float* value = vp + (slot * kvh + kv) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * len + p];
-          float* o = orow + g * d;
+      for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const int64_t base = table[p0 / block_size] * block_size;
+        const int64_t count = std::min(block_size, len - p0);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* value = vp + ((base + j) * kvh + kv) * d;
+          for (int64_t g = 0; g < group; ++g) {
+            const float w = scores[g * len + p0 + j];
+            float* o = orow + g * d;
 #pragma omp simd
-          for (int64_t j = 0; j < d; ++j) o[j] += w * value[j];
+            for (int64_t c = 0; c < d; ++c) o[c] += w * value[c];
+          }
         }
       }
+    }
+  });
+  return out;
+}
+
+namespace {
+
+inline float row_max(const float* x, int64_t v) {
+  float top = x[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < v; ++i) top = x[i] > top ? x[i] : top;
+  return top;
+}
+
+inline int64_t first_index_of(const float* x, int64_t v, float value) {
+  for (int64_t i = 0; i < v; ++i)
+    if (x[i] == value) return i;
+  return 0;
+}
+
+struct Normalised {
+  float top;    // max of the filtered row
+  float total;  // sum of e = exp(x - top)
+};
+
+// One row of the sampler: x (length v) is filtered in place (temperature, top-k, top-p), and
+// e receives exp(x - max); log-probabilities are x - (top + log(total)).
+Normalised filter_and_normalise(float* x, float* e, int64_t v, float temperature, int64_t top_k,
+                                float top_p, std::vector<int64_t>& order) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (temperature > 0.f && temperature != 1.f) {
+#pragma omp simd
+    for (int64_t i = 0; i < v; ++i) x[i] = x[i] / temperature;
+  }
+  if (temperature > 0.f && top_k > 0 && top_k < v) {
+    std::copy(x, x + v, e);
+    std::nth_element(e, e + (top_k - 1), e + v, std::greater<float>());
+    const float kth = e[top_k - 1];
+    for (int64_t i = 0; i < v; ++i)
+      if (x[i] < kth) x[i] = ninf;
+  }
+  if (temperature > 0.f && top_p < 1.f) {
+    order.resize(v);
+    for (int64_t i = 0; i < v; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [x](int64_t a, int64_t b) { return x[a] > x[b]; });
+    const float top = x[order[0]];
+    float total = 0.f;
+    for (int64_t i = 0; i < v; ++i) total += fast_exp(x[order[i]] - top);
+    float before = 0.f;  // probability mass of the tokens ranked above this one
+    for (int64_t i = 0; i < v; ++i) {
+      const float p = fast_exp(x[order[i]] - top) / total;
+      if (before >= top_p) x[order[i]] = ninf;  // the first token always stays
+      before += p;
+    }
+  }
+  const float top = row_max(x, v);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < v; ++i) {
+    e[i] = fast_exp(x[i] - top);
+    total += e[i];
+  }
+  return {top, total};
+}
+
+// The first index whose running sum of e exceeds target (v - 1 if none): sums of blocks of
+// kScanBlock entries first (vectorised), then one block entry by entry.
+constexpr int64_t kScanBlock = 64;
+
+int64_t scan_mass(const float* e, int64_t v, float target) {
+  float cum = 0.f;
+  for (int64_t b = 0; b < v; b += kScanBlock) {
+    const int64_t n = std::min(kScanBlock, v - b);
+    float block = 0.f;
+#pragma omp simd reduction(+ : block)
+    for (int64_t i = 0; i < n; ++i) block += e[b + i];
+    if (cum + block > target) {
+      for (int64_t i = 0; i < n; ++i) {
+        cum += e[b + i];
+        if (cum > target) return b + i;
+      }
+      return b + n - 1;  // rounding: the block's entries summed one by one stay <= target
+    }
+    cum += block;
+  }
+  return v - 1;
+}
+
+void check_rows(const torch::Tensor& t, const char* name, int64_t n, torch::ScalarType type) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.size(0) == n,
+              name, " must be a CPU ", type, " tensor of ", n, " entries");
+}
+
+}  // namespace
+
+// One token per row of logits [n, V]: row r is filtered by temperature[r], top_k[r] (0: off)
+// and top_p[r], and the token is the first whose running mass exceeds u[r] times the total
+// (temperature 0: the argmax).  Returns (tokens int64 [n], logprobs float32 [n]): the
+// log-probability of each token under the distribution it was drawn from.
+std::tuple<torch::Tensor, torch::Tensor> sample(const torch::Tensor& logits,
+                                                const torch::Tensor& temperature,
+                                                const torch::Tensor& top_k,
+                                                const torch::Tensor& top_p, const torch::Tensor& u) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab]");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  check_rows(temperature, "temperature", n, torch::kFloat32);
+  check_rows(top_k, "top_k", n, torch::kInt64);
+  check_rows(top_p, "top_p", n, torch::kFloat32);
+  check_rows(u, "u", n, torch::kFloat32);
+  auto tokens = torch::empty({n}, torch::kInt64);
+  auto logprobs = torch::empty({n}, torch::kFloat32);
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  float* out = logprobs.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    std::vector<float> x(v), e(v);
+    std::vector<int64_t> order;
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(lp + r * v, lp + (r + 1) * v, x.begin());
+      const Normalised z = filter_and_normalise(x.data(), e.data(), v, tp[r], kp[r], pp[r], order);
+      const int64_t best = first_index_of(x.data(), v, z.top);
+      int64_t chosen = best;
+      if (tp[r] > 0.f) {
+        chosen = scan_mass(e.data(), v, up[r] * z.total);
+        if (std::isinf(x[chosen])) chosen = best;  // rounding at the top of the mass
+      }
+      tok[r] = chosen;
+      out[r] = x[chosen] - (z.top + std::log(z.total));
+    }
+  });
+  return {tokens, logprobs};
+}
+
+// log_softmax over the last dim of [n, V], by the sampler's own arithmetic (temperature 1,
+// no filter): what `sample` reports for a token is exactly what this gives for it.
+torch::Tensor log_softmax(const torch::Tensor& logits) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab]");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  auto out = torch::empty_like(logits);
+  const float* lp = logits.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    std::vector<float> x(v), e(v);
+    std::vector<int64_t> order;
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(lp + r * v, lp + (r + 1) * v, x.begin());
+      const Normalised z = filter_and_normalise(x.data(), e.data(), v, 1.f, 0, 1.f, order);
+      const float lse = z.top + std::log(z.total);
+      float* o = op + r * v;
+#pragma omp simd
+      for (int64_t i = 0; i < v; ++i) o[i] = x[i] - lse;
     }
   });
   return out;
@@ -214,4 +448,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache");
+  m.def("sample", &sample, "one token per row, with its logprob");
+  m.def("log_softmax", &log_softmax, "log_softmax by the sampler's arithmetic");
 }
