@@ -350,7 +350,7 @@ class LLMEngine:
         sampled: dict[str, int] = {}
         if sampling:
             reqs = [self.requests[s.seq.seq_id] for _, s in sampling]
-            logits = torch.stack([fwd.last_logits[i] for i, _ in sampling])
+            logits = fwd.last([i for i, _ in sampling])
             # the random number of a token is a function of (seed, step): see sampler.py
             tokens, logprobs = sample(
                 logits,

@@ -52,10 +52,27 @@ class ForwardItem:
 
 @dataclass(slots=True)
 class ForwardOutput:
-    """fp32 logits keyed by item index: [vocab] for the last token, [n_new, vocab] for all."""
+    """fp32 logits keyed by item index: [vocab] for the last token, [n_new, vocab] for all.
 
-    last_logits: dict[int, Tensor] = field(default_factory=dict)
+    ``logits`` holds every computed row; ``last_rows`` maps an item wanting its last token's
+    logits to that row, so a caller taking many of them reads one matrix (:meth:`last`)."""
+
     all_logits: dict[int, Tensor] = field(default_factory=dict)
+    logits: Tensor | None = None
+    last_rows: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def last_logits(self) -> dict[int, Tensor]:
+        assert self.logits is not None or not self.last_rows
+        return {i: self.logits[r] for i, r in self.last_rows.items()}  # type: ignore[index]
+
+    def last(self, items: Sequence[int]) -> Tensor:
+        """[len(items), vocab]: the last-token logits of these items, in this order."""
+        assert self.logits is not None
+        rows = [self.last_rows[i] for i in items]
+        if rows == list(range(self.logits.shape[0])):
+            return self.logits
+        return self.logits.index_select(0, torch.tensor(rows, device=self.logits.device))
 
 
 @dataclass(slots=True)
@@ -152,13 +169,15 @@ class ModelRunner:
                 rows.extend(range(first, end))
         if not rows:
             return out
-        index = torch.tensor(rows, device=self.device)
-        logits = self.model.logits(hidden.index_select(0, index), ops).float()
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        logits = self.model.logits(hidden, ops).float()
+        out.logits = logits
         for i, (at, n) in spans.items():
             if items[i].want_all_logits:
                 out.all_logits[i] = logits[at : at + n]
             if items[i].want_logits:
-                out.last_logits[i] = logits[at + n - 1]
+                out.last_rows[i] = at + n - 1
         return out
 
     def log_softmax(self, logits: Tensor) -> Tensor:
