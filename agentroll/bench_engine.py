@@ -10,9 +10,12 @@ warm-up.  Prints one ``key=value`` result line.
 
 ``matmul_floor_tokens_per_s`` is an upper bound, measured in the same run: the tokens/s of a
 decode step that did nothing but the model's matrix products (every linear layer and the LM
-head, on ``concurrency`` rows, in fp32 on the same threads).  No engine running this model
-in fp32 here, ours or another, can exceed it; ``matmul_floor / hf_batch`` is the most any of
-them could gain over ``transformers`` batched.
+head, on ``concurrency`` rows, in fp32 on the same threads, each in the faster of the two
+weight layouts, with the weights warm in cache).  No engine running this model in fp32 here,
+ours or another, can exceed it; ``matmul_floor / hf_batch`` is the most any of them could
+gain over ``transformers`` batched.  ``torch_ops_tokens_per_s`` is the built-in engine with
+its C++ CPU kernels off (``cpu_kernels=0`` says they could not be built here, and then every
+engine figure is on torch ops).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ def _log(msg: str) -> None:
 
 
 async def _ours(
-    model: Path, prompts: list[list[int]], max_tokens: int, batch_invariant: bool
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    batch_invariant: bool,
+    cpu_kernels: bool = True,
 ) -> tuple[float, float]:
     """(tokens/s, prefix hit rate of a second turn) of the built-in engine."""
     from agentroll.backends.torch import TorchBackend
@@ -57,7 +64,10 @@ async def _ours(
         return out
 
     async with TorchBackend(
-        model, batch_invariant=batch_invariant, max_num_seqs=max(64, len(prompts))
+        model,
+        batch_invariant=batch_invariant,
+        max_num_seqs=max(64, len(prompts)),
+        cpu_kernels=cpu_kernels,
     ) as backend:
         await asyncio.gather(*(one(f"w{i}", p, i) for i, p in enumerate(prompts)))  # warm-up
         rates = []
@@ -107,6 +117,18 @@ def _hf(model: Path, prompts: list[list[int]], max_tokens: int, batched: bool) -
     return statistics.median(rates)
 
 
+def _best_of(fn: Any, calls: int = 200) -> float:
+    """Seconds per call of ``fn``: the best of three runs of ``calls`` calls."""
+    best = math.inf
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
 def _matmul_floor(model: Path, rows: int, steps: int = 200) -> float:
     """Tokens/s of decode steps made of the model's matmuls alone (see the module doc)."""
     from agentroll.engine.models.decoder import load_model
@@ -118,10 +140,26 @@ def _matmul_floor(model: Path, rows: int, steps: int = 200) -> float:
     if m.lm_head is None:  # a tied head reads the embedding
         linears.append((m.lm_head_weight, None))
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in linears}
+    # each product in the faster of the two weight layouts here (the engine's kernels path
+    # multiplies by transposed copies), so the bound holds for it too
+    layouts = []
+    for weight, bias in linears:
+        x, wt = inputs[weight.shape[1]], weight.detach().t().contiguous()
+        plain = _best_of(lambda w=weight, b=bias, x=x: torch.nn.functional.linear(x, w, b))
+        flipped = _best_of(
+            lambda w=wt, b=bias, x=x: torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+        )
+        layouts.append((weight, bias, False) if plain <= flipped else (wt, bias, True))
 
     def step() -> None:
-        for weight, bias in linears:
-            torch.nn.functional.linear(inputs[weight.shape[1]], weight, bias)
+        for weight, bias, flipped in layouts:
+            x = inputs[weight.shape[0] if flipped else weight.shape[1]]
+            if not flipped:
+                torch.nn.functional.linear(x, weight, bias)
+            elif bias is None:
+                torch.mm(x, weight)
+            else:
+                torch.addmm(bias, x, weight)
 
     rates = []
     with torch.inference_mode():
@@ -171,6 +209,11 @@ def main_engine(
     _log(f"built-in engine (default mode): {ours:.1f} tokens/s")
     invariant, _ = asyncio.run(_ours(model, prompts, max_tokens, batch_invariant=True))
     _log(f"built-in engine (batch-invariant mode): {invariant:.1f} tokens/s")
+    from agentroll.engine import kernels
+
+    have_kernels = kernels.get() is not None
+    torch_ops, _ = asyncio.run(_ours(model, prompts, max_tokens, False, cpu_kernels=False))
+    _log(f"built-in engine on plain torch ops (no C++ kernels): {torch_ops:.1f} tokens/s")
     hf_seq = _hf(model, prompts, max_tokens, batched=False)
     _log(f"transformers one at a time: {hf_seq:.1f} tokens/s")
     hf_batch = _hf(model, prompts, max_tokens, batched=True)
@@ -184,6 +227,7 @@ def main_engine(
         f"tokens_per_s={ours:.1f} hf_seq_tokens_per_s={hf_seq:.1f} hf_batch_tokens_per_s={hf_batch:.1f} "
         f"ratio_vs_hf_batch={ours / hf_batch:.2f} vllm_tokens_per_s={vllm_tps:.1f} "
         f"ratio_vs_vllm={ours / vllm_tps:.2f} "
-        f"batch_invariant_tokens_per_s={invariant:.1f} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f} "
+        f"batch_invariant_tokens_per_s={invariant:.1f} torch_ops_tokens_per_s={torch_ops:.1f} "
+        f"cpu_kernels={int(have_kernels)} prefix_hit_rate={hit_rate:.3f} peak_rss_mb={rss:.1f} "
         f"matmul_floor_tokens_per_s={floor:.1f} floor_ratio_vs_hf_batch={floor / hf_batch:.2f}"
     )
