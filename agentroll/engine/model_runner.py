@@ -412,18 +412,19 @@ class _FastOps:
         vc.index_copy_(0, self.plan.slots, v)
         return kc, vc
 
+    def _paged(
+        self, q: Tensor, kc: Tensor, vc: Tensor, tables: Tensor, rows: Tensor, lens: Tensor
+    ) -> Tensor:
+        """The C++ kernel: query row i attends to keys 0..lens[i]-1 of table row rows[i]."""
+        assert self.kernels is not None
+        runner = self.runner
+        return self.kernels.paged_attention(
+            q.contiguous(), kc, vc, tables, rows, lens, runner.block_size, runner.scale
+        )
+
     def _decode_attention(self, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
         if self.kernels is not None:
-            return self.kernels.paged_attention(
-                q.contiguous(),
-                kc,
-                vc,
-                self.decode_tables,
-                self.decode_index,
-                self.decode_lens,
-                self.runner.block_size,
-                self.runner.scale,
-            )
+            return self._paged(q, kc, vc, self.decode_tables, self.decode_index, self.decode_lens)
         shape = (*self.decode_gather.shape, *kc.shape[1:])
         keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
         values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
@@ -523,16 +524,7 @@ class _InvariantOps(_FastOps):
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self._store(layer, k, v)
         if self.kernels is not None:
-            return self.kernels.paged_attention(
-                q.contiguous(),
-                kc,
-                vc,
-                self.tables,
-                self.rows,
-                self.lens,
-                self.runner.block_size,
-                self.runner.scale,
-            )
+            return self._paged(q, kc, vc, self.tables, self.rows, self.lens)
         queries = q.unsqueeze(2)  # [T, heads, 1, hd]: one query row per call
         out: list[Tensor] = []
         for off, item, gather in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):
