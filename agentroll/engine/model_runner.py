@@ -408,8 +408,11 @@ class _FastOps:
     def _store(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         kc = self.runner.k_cache[layer].view(-1, *k.shape[1:])
         vc = self.runner.v_cache[layer].view(-1, *v.shape[1:])
-        kc.index_copy_(0, self.plan.slots, k)
-        vc.index_copy_(0, self.plan.slots, v)
+        if self.kernels is not None:
+            self.kernels.store_kv(k.contiguous(), v.contiguous(), kc, vc, self.plan.slots)
+        else:
+            kc.index_copy_(0, self.plan.slots, k)
+            vc.index_copy_(0, self.plan.slots, v)
         return kc, vc
 
     def _paged(

@@ -235,3 +235,17 @@ def test_greedy_log_softmax_and_per_row_invariance(ext: ModuleType) -> None:
         ext.sample(
             logits, torch.ones(20), torch.zeros(3, dtype=torch.long), torch.ones(20), torch.ones(20)
         )
+
+
+def test_store_kv_writes_the_slots_and_refuses_bad_ones(ext: ModuleType) -> None:
+    kc, vc = torch.zeros(2, 12, 2, 4)
+    k, v = torch.randn(2, 3, 2, 4)
+    slots = torch.tensor([7, 0, 11])
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.index_copy_(0, slots, k)
+    want_v.index_copy_(0, slots, v)
+    ext.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="slot 12"):
+        ext.store_kv(k, v, kc, vc, torch.tensor([1, 2, 12]))
+    assert torch.equal(kc, want_k)  # refused before any write

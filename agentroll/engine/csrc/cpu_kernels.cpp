@@ -187,6 +187,33 @@ torch::Tensor rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tens
   return x;
 }
 
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: k, v [T, KVH, D], caches [S, KVH, D].
+void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache,
+              torch::Tensor v_cache, const torch::Tensor& slots) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  check_i64(slots, "slots", 1);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, KVH, D] alike");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
+              "the caches must be [slots, KVH, D] with k's KVH and D");
+  const int64_t t = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0);
+  TORCH_CHECK(slots.size(0) == t, "slots must have ", t, " entries");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "slot ", sp[i], " is outside [0, ", num_slots, ")");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    std::memcpy(kc + sp[i] * row, kp + i * row, row * sizeof(float));
+    std::memcpy(vc + sp[i] * row, vp + i * row, row * sizeof(float));
+  }
+}
+
 // Attention of each query row over its own keys in the paged cache.
 //   q [T, H, D]; k_cache / v_cache [slots, KVH, D] (slots = num_blocks * block_size);
 //   tables [R, NB] block ids; rows [T]: the table row of each query; lens [T]: its number of
@@ -447,6 +474,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("store_kv", &store_kv, "write k and v into their cache slots");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache");
   m.def("sample", &sample, "one token per row, with its logprob");
   m.def("log_softmax", &log_softmax, "log_softmax by the sampler's arithmetic");
