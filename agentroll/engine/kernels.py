@@ -25,6 +25,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +37,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # -fno-trapping-math lets g++ vectorise floor (fast_exp); it changes no rounding
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")
 _state: dict[str, Any] = {}  # "module": ModuleType | None once tried, "error": str
+_lock = threading.Lock()  # replicas start their engines on several threads at once
 
 
 def _cpu_flags() -> str:
@@ -91,6 +93,8 @@ def build(root: Path | None = None, *, quiet: bool = False) -> ModuleType:
     key = build_key()
     name = f"agentroll_cpu_kernels_{key}"
     final = root / key / f"{name}.so"
+    if name in sys.modules:  # this process has it already
+        return sys.modules[name]
     if final.exists():
         return _import(name, final)
     root.mkdir(parents=True, exist_ok=True)
@@ -132,6 +136,13 @@ def get() -> ModuleType | None:
     """The kernels module, or ``None`` when turned off or unbuildable (reported once)."""
     if "module" in _state:
         return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _load()
+    return _state["module"]
+
+
+def _load() -> ModuleType | None:
     module = None
     if os.environ.get("AGENTROLL_CPU_KERNELS", "1") != "0":
         try:
@@ -147,7 +158,6 @@ def get() -> ModuleType | None:
                 file=sys.stderr,
                 flush=True,
             )
-    _state["module"] = module
     return module
 
 
