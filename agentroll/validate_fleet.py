@@ -75,6 +75,22 @@ def _expected(
     return [versions[e] for e in epochs], versions[kv_epoch]
 
 
+async def _inside_a_turn(backend: TorchBackend, timeout: float = 2.0) -> None:
+    """Wait until some request is part-way through its turn (or ``timeout``), so that a sync
+    lands inside a turn rather than between turns: the engine is fast enough that timed
+    syncs found only tool calls in flight."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        # list(): one atomic copy; the engine thread adds and removes requests meanwhile
+        if any(
+            r.seq.num_generated > 0 and not r.seq.is_finished
+            for r in list(backend.engine.requests.values())
+        ):
+            return
+        await asyncio.sleep(0.001)
+
+
 async def check_provenance(model: Path, device: str = "cpu", syncs: int = 4) -> CheckResult:
     env = _Probe(num_tasks=6)
     trainer = SyntheticTrainer(model, seed=1)
@@ -85,11 +101,13 @@ async def check_provenance(model: Path, device: str = "cpu", syncs: int = 4) -> 
     trajs: list[Trajectory] = []
     config = probe_config(concurrency=6, seed=3)
     async with backend, RolloutEngine(backend, env, config) as engine:
+        # the updates are trained up front: a sync that waited on training could find every
+        # episode already finished (they take well under a second with the CPU kernels)
+        updates = [await asyncio.to_thread(trainer.step) for _ in range(syncs)]
 
         async def syncer() -> None:
-            for _ in range(syncs):
-                await asyncio.sleep(0.15)
-                update = await asyncio.to_thread(trainer.step)
+            for update in updates:
+                await _inside_a_turn(backend)
                 await engine.pause("keep")
                 at_sync.append(
                     {
@@ -102,6 +120,7 @@ async def check_provenance(model: Path, device: str = "cpu", syncs: int = 4) -> 
                 versions.append(backend.policy_version)
                 backend.syncs += 1
                 await engine.resume()
+                await asyncio.sleep(0.02)  # a few steps under the new weights
 
         task = asyncio.create_task(syncer())
         async for traj in engine.run():

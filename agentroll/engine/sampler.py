@@ -71,14 +71,15 @@ def sample(
     deterministic and per-row on its own."""
     logits = logits.detach().to("cpu", torch.float32)
     if kernels is not None:
-        draws = [uniform(seed, step) for seed, step in zip(seeds, steps, strict=True)]
         f32 = np.float32  # numpy: torch.tensor of a short list costs 5x more
+        bits = np.array([s & _MASK64 for s in seeds], dtype=np.uint64).view(np.int64)
+        draws = kernels.uniform(torch.from_numpy(bits), torch.from_numpy(np.array(steps, np.int64)))
         tokens, logprobs = kernels.sample(
             logits.contiguous(),
             torch.from_numpy(np.array([p.temperature for p in params], dtype=f32)),
             torch.from_numpy(np.array([p.top_k for p in params], dtype=np.int64)),
             torch.from_numpy(np.array([p.top_p for p in params], dtype=f32)),
-            torch.from_numpy(np.array(draws, dtype=f32)),
+            draws,
         )
         return tokens.tolist(), logprobs.tolist()
     n = logits.shape[0]

@@ -249,3 +249,16 @@ def test_store_kv_writes_the_slots_and_refuses_bad_ones(ext: ModuleType) -> None
     with pytest.raises(RuntimeError, match="slot 12"):
         ext.store_kv(k, v, kc, vc, torch.tensor([1, 2, 12]))
     assert torch.equal(kc, want_k)  # refused before any write
+
+
+def test_uniform_is_the_samplers_own_draw(ext: ModuleType) -> None:
+    import numpy as np
+
+    from agentroll.engine.sampler import uniform
+
+    seeds = [0, 1, 5, -3, 2**63 + 11, 2**70 + 5, 123456789]
+    steps = [0, 1, 7, 0, 1000, 3, 2**31]
+    bits = np.array([s & (2**64 - 1) for s in seeds], dtype=np.uint64).view(np.int64)
+    got = ext.uniform(torch.from_numpy(bits), torch.tensor(steps))
+    want = np.array([uniform(s, t) for s, t in zip(seeds, steps, strict=True)], dtype=np.float32)
+    assert got.numpy().tobytes() == want.tobytes()

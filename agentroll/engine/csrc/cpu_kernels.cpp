@@ -444,6 +444,28 @@ std::tuple<torch::Tensor, torch::Tensor> sample(const torch::Tensor& logits,
   return {tokens, logprobs};
 }
 
+// uniform(seeds[i], steps[i]) of sampler.py in float32: splitmix64 over the pair (seeds are
+// the Python seed mod 2^64, passed as int64 bits).
+torch::Tensor uniform(const torch::Tensor& seeds, const torch::Tensor& steps) {
+  check_i64(seeds, "seeds", 1);
+  check_i64(steps, "steps", 1);
+  TORCH_CHECK(seeds.size(0) == steps.size(0), "seeds and steps must have the same length");
+  const int64_t n = seeds.size(0);
+  auto out = torch::empty({n}, torch::kFloat32);
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  const int64_t* tp = steps.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = static_cast<uint64_t>(sp[i]) * 0x9E3779B97F4A7C15ull +
+                 static_cast<uint64_t>(tp[i] + 1) * 0xD1B54A32D192ED03ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    op[i] = static_cast<float>(static_cast<double>(z >> 11) / 9007199254740992.0);  // / 2^53
+  }
+  return out;
+}
+
 // log_softmax over the last dim of [n, V], by the sampler's own arithmetic (temperature 1,
 // no filter): what `sample` reports for a token is exactly what this gives for it.
 torch::Tensor log_softmax(const torch::Tensor& logits) {
@@ -477,5 +499,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "write k and v into their cache slots");
   m.def("paged_attention", &paged_attention, "attention over the paged KV cache");
   m.def("sample", &sample, "one token per row, with its logprob");
+  m.def("uniform", &uniform, "the sampler's counter-based uniforms, in float32");
   m.def("log_softmax", &log_softmax, "log_softmax by the sampler's arithmetic");
 }
