@@ -2,11 +2,18 @@
 
 It owns the paged KV cache (per layer, K and V of shape [num_blocks, block_size, kv_heads,
 head_dim]) and runs one forward step over sequences given as plain records: new tokens, the
-number already cached and a block table of ints.  Invariants: K/V of position p live in block
-``block_table[p // block_size]`` at slot ``p % block_size``; logits are fp32; with
-``batch_invariant=True`` a token's logits and K/V depend only on its own sequence's tokens and
-cache -- not on the other sequences of the step, nor on how its prefill was chunked -- because
-every row-wise op runs on fixed-shape tiles and attention runs one query row at a time.
+number already cached and a block table of ints.  For fp32 on the CPU it uses the engine's C++
+kernels (``kernels.py``: norms, SiLU, RoPE, K/V writes, attention read from the paged cache)
+and multiplies by cached transposed copies of the weights; everywhere else, torch ops.
+
+Invariants: K/V of position p live in block ``block_table[p // block_size]`` at slot
+``p % block_size``; logits are fp32; anything derived from the weights (the transposed
+copies) is dropped by ``weights_changed`` -- called by every in-place weight write, and the
+tensors' version counters are checked too; with ``batch_invariant=True`` a token's logits and
+K/V depend only on its own sequence's tokens and cache -- not on the other sequences of the
+step, nor on how its prefill was chunked -- because matmuls run on fixed-shape tiles and every
+other op computes each row on its own (the kernels by construction; on torch ops, tiles and
+one attention call per query row).
 """
 
 from __future__ import annotations
