@@ -64,7 +64,8 @@ def _reference(q, kc, vc, tables, rows, lens, block_size):  # type: ignore[no-un
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "block_size"), [(2, 1, 64, 16), (4, 2, 32, 4), (3, 3, 16, 5)]
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(2, 1, 64, 16), (4, 2, 128, 8), (4, 2, 32, 4), (3, 3, 16, 5)],
 )
 def test_paged_attention_matches_gather_and_sdpa(
     ext: ModuleType, heads: int, kv_heads: int, dim: int, block_size: int

@@ -214,6 +214,72 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
   }
 }
 
+namespace {
+
+// One query row and kv head of paged_attention.
+struct AttendRow {
+  const float* q;     // [group, d]: the query heads that share this kv head
+  float* out;         // [group, d]
+  const float* keys;  // the layer's caches, [slots, kvh, d]
+  const float* values;
+  const int64_t* table;  // this row's block table
+  int64_t len, block_size, kvh, kv, group, d;
+  float scale;
+};
+
+// Scores, softmax and the weighted sum of values, one query head at a time.  D > 0 fixes the
+// head dim at compile time, so the output accumulator is a local array the compiler keeps in
+// registers across keys (about 2x faster than accumulating in memory at d = 64, measured);
+// D = 0 takes it from the job.  The loop order depends only on len and d.
+template <int64_t D>
+void attend(const AttendRow& job, std::vector<float>& scores, std::vector<float>& spill) {
+  const int64_t d = D > 0 ? D : job.d, len = job.len, bs = job.block_size;
+  scores.resize(len);
+  float* s = scores.data();
+  for (int64_t g = 0; g < job.group; ++g) {
+    const float* qv = job.q + g * d;
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+      const int64_t base = job.table[p0 / bs] * bs;
+      const int64_t count = std::min(bs, len - p0);
+      for (int64_t j = 0; j < count; ++j) {
+        const float* key = job.keys + ((base + j) * job.kvh + job.kv) * d;
+        s[p0 + j] = dot(qv, key, d) * job.scale;
+      }
+    }
+    float top = s[0];
+    for (int64_t p = 1; p < len; ++p) top = s[p] > top ? s[p] : top;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < len; ++p) {
+      s[p] = fast_exp(s[p] - top);
+      total += s[p];
+    }
+    const float inv = 1.f / total;
+    float fixed[D > 0 ? D : 1];
+    float* acc = fixed;
+    if constexpr (D == 0) {
+      spill.assign(d, 0.f);
+      acc = spill.data();
+    } else {
+      for (int64_t c = 0; c < D; ++c) fixed[c] = 0.f;
+    }
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+      const int64_t base = job.table[p0 / bs] * bs;
+      const int64_t count = std::min(bs, len - p0);
+      for (int64_t j = 0; j < count; ++j) {
+        const float* value = job.values + ((base + j) * job.kvh + job.kv) * d;
+        const float w = s[p0 + j] * inv;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) acc[c] += w * value[c];
+      }
+    }
+    float* o = job.out + g * d;
+    for (int64_t c = 0; c < d; ++c) o[c] = acc[c];
+  }
+}
+
+}  // namespace
+
 // Attention of each query row over its own keys in the paged cache.
 //   q [T, H, D]; k_cache / v_cache [slots, KVH, D] (slots = num_blocks * block_size);
 //   tables [R, NB] block ids; rows [T]: the table row of each query; lens [T]: its number of
@@ -260,50 +326,19 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, t * kvh, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
-    std::vector<float> scores;
+    std::vector<float> scores, acc;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / kvh, kv = i % kvh, len = lp[row];
-      const int64_t* table = tp + rp[row] * nb;
+      const int64_t row = i / kvh, kv = i % kvh;
       const float* qrow = qp + (row * h + kv * group) * d;  // the group's heads are adjacent
       float* orow = op + (row * h + kv * group) * d;
-      scores.resize(group * len);
-      for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const int64_t base = table[p0 / block_size] * block_size;
-        const int64_t count = std::min(block_size, len - p0);
-        for (int64_t j = 0; j < count; ++j) {
-          const float* key = kp + ((base + j) * kvh + kv) * d;
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * len + p0 + j] = dot(qrow + g * d, key, d) * fscale;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float top = s[0];
-        for (int64_t p = 1; p < len; ++p) top = s[p] > top ? s[p] : top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < len; ++p) {
-          s[p] = fast_exp(s[p] - top);
-          total += s[p];
-        }
-        const float inv = 1.f / total;
-#pragma omp simd
-        for (int64_t p = 0; p < len; ++p) s[p] *= inv;
-        float* o = orow + g * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
-      }
-      for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-        const int64_t base = table[p0 / block_size] * block_size;
-        const int64_t count = std::min(block_size, len - p0);
-        for (int64_t j = 0; j < count; ++j) {
-          const float* value = vp + ((base + j) * kvh + kv) * d;
-          for (int64_t g = 0; g < group; ++g) {
-            const float w = scores[g * len + p0 + j];
-            float* o = orow + g * d;
-#pragma omp simd
-            for (int64_t c = 0; c < d; ++c) o[c] += w * value[c];
-          }
-        }
+      const AttendRow job{qrow, orow, kp, vp, tp + rp[row] * nb, lp[row], block_size, kvh, kv,
+                          group, d, fscale};
+      if (d == 64) {
+        attend<64>(job, scores, acc);
+      } else if (d == 128) {
+        attend<128>(job, scores, acc);
+      } else {
+        attend<0>(job, scores, acc);
       }
     }
   });
