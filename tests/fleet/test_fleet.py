@@ -220,15 +220,17 @@ async def run_episodes(
     env: Environment | None = None,
     episodes: int = 24,
     config: RolloutConfig | None = None,
+    admit: Callable[[int], Coroutine[Any, Any, None]] | None = None,
 ) -> tuple[list[Trajectory], Any]:
     """Run ``episodes`` calculator episodes on ``fleet`` while ``during(engine)`` runs; a
-    trigger ``during`` still waits for when the last episode ends fails the test."""
+    trigger ``during`` still waits for when the last episode ends fails the test.  ``admit``
+    is awaited before each episode group starts (``RolloutEngine.run``)."""
     env = env or load_environment("calculator", num_tasks=episodes)
     tasks = list(env.tasks())[:episodes]
     cfg = config or calculator_config()
     async with RolloutEngine(fleet, env, cfg, tokenizer=tokenizer()) as engine:
         side = asyncio.create_task(during(engine))
-        trajs = [t async for t in engine.run(tasks)]
+        trajs = [t async for t in engine.run(tasks, admit=admit)]
         traffic.fail_waiters("the episodes ended before the test's trigger came")
         result = await side
     assert len(trajs) == episodes
@@ -556,12 +558,37 @@ async def test_pinned_episodes_never_see_a_version_change(make: Make, updates: l
     async with fleet:
         traffic = Traffic(fleet)
 
+        rolled = asyncio.Event()
+
         async def update(engine: RolloutEngine) -> SyncReport:
-            await traffic.wait(traffic.busy(calls=6))
-            return await fleet.update(updates[0])
+            # a few chunks in: the first wave's episodes are under way (and pinned to 0).
+            # Not "n calls busy": with the CPU kernels a short turn often arrives in one chunk
+            await traffic.wait(lambda: len(traffic.chunks) >= 6)
+            task = asyncio.create_task(fleet.update(updates[0]))
+            # polled: the fleet has no event for "a replica is on the new version"
+            while not task.done() and not any(r.version == 1 for r in fleet.replicas.values()):  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+            rolled.set()
+            return await task
+
+        started = 0
+
+        async def admit(n: int) -> None:
+            # the first wave (12 slots) runs on version 0; the rest start once the roll has
+            # updated a replica, so both versions serve episodes however fast they run
+            nonlocal started
+            started += n
+            if started > 12:
+                await asyncio.wait_for(rolled.wait(), 120)
 
         trajs, report = await run_episodes(
-            fleet, traffic, update, env=Chatter(), episodes=30, config=chatter_config()
+            fleet,
+            traffic,
+            update,
+            env=Chatter(),
+            episodes=30,
+            config=chatter_config(),
+            admit=admit,
         )
         assert_quiet(fleet)
     check_report(report, "rolling", 1, 3)
