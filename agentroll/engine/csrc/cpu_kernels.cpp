@@ -428,6 +428,38 @@ int64_t scan_mass(const float* e, int64_t v, float target) {
   return v - 1;
 }
 
+// z.top + log(z.total): the log-normaliser; a token's logprob is x[token] minus this, in sample
+// and in log_softmax alike.
+inline float log_normaliser(const Normalised& z) { return z.top + std::log(z.total); }
+
+// Per-row filter parameters; null pointers mean temperature 1, no top-k, no top-p.
+struct RowFilters {
+  const float* temperature = nullptr;
+  const int64_t* top_k = nullptr;
+  const float* top_p = nullptr;
+};
+
+// fn(r, x, e, z) for every row r of logits [n, v], after filter_and_normalise with row r's
+// filters (x: the filtered row, e: exp(x - max), z: their max and sum); each thread reuses
+// its buffers across its rows.
+template <typename Fn>
+void for_each_normalised_row(const float* logits, int64_t n, int64_t v, RowFilters f, Fn fn) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals ftz;
+    std::vector<float> x(v), e(v);
+    std::vector<int64_t> order;
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(logits + r * v, logits + (r + 1) * v, x.begin());
+      const float temperature = f.temperature ? f.temperature[r] : 1.f;
+      const int64_t top_k = f.top_k ? f.top_k[r] : 0;
+      const float top_p = f.top_p ? f.top_p[r] : 1.f;
+      const Normalised z =
+          filter_and_normalise(x.data(), e.data(), v, temperature, top_k, top_p, order);
+      fn(r, x.data(), e.data(), z);
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& t, const char* name, int64_t n, torch::ScalarType type) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.size(0) == n,
               name, " must be a CPU ", type, " tensor of ", n, " entries");
@@ -459,22 +491,16 @@ std::tuple<torch::Tensor, torch::Tensor> sample(const torch::Tensor& logits,
   const float* up = u.data_ptr<float>();
   int64_t* tok = tokens.data_ptr<int64_t>();
   float* out = logprobs.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals ftz;
-    std::vector<float> x(v), e(v);
-    std::vector<int64_t> order;
-    for (int64_t r = begin; r < end; ++r) {
-      std::copy(lp + r * v, lp + (r + 1) * v, x.begin());
-      const Normalised z = filter_and_normalise(x.data(), e.data(), v, tp[r], kp[r], pp[r], order);
-      const int64_t best = first_index_of(x.data(), v, z.top);
-      int64_t chosen = best;
-      if (tp[r] > 0.f) {
-        chosen = scan_mass(e.data(), v, up[r] * z.total);
-        if (std::isinf(x[chosen])) chosen = best;  // rounding at the top of the mass
-      }
-      tok[r] = chosen;
-      out[r] = x[chosen] - (z.top + std::log(z.total));
+  for_each_normalised_row(lp, n, v, {tp, kp, pp}, [&](int64_t r, const float* x, const float* e,
+                                                     const Normalised& z) {
+    const int64_t best = first_index_of(x, v, z.top);
+    int64_t chosen = best;
+    if (tp[r] > 0.f) {
+      chosen = scan_mass(e, v, up[r] * z.total);
+      if (std::isinf(x[chosen])) chosen = best;  // rounding at the top of the mass
     }
+    tok[r] = chosen;
+    out[r] = x[chosen] - log_normaliser(z);
   });
   return {tokens, logprobs};
 }
@@ -510,18 +536,12 @@ torch::Tensor log_softmax(const torch::Tensor& logits) {
   auto out = torch::empty_like(logits);
   const float* lp = logits.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals ftz;
-    std::vector<float> x(v), e(v);
-    std::vector<int64_t> order;
-    for (int64_t r = begin; r < end; ++r) {
-      std::copy(lp + r * v, lp + (r + 1) * v, x.begin());
-      const Normalised z = filter_and_normalise(x.data(), e.data(), v, 1.f, 0, 1.f, order);
-      const float lse = z.top + std::log(z.total);
-      float* o = op + r * v;
+  for_each_normalised_row(lp, n, v, {}, [&](int64_t r, const float* x, const float*,
+                                             const Normalised& z) {
+    const float lse = log_normaliser(z);
+    float* o = op + r * v;
 #pragma omp simd
-      for (int64_t i = 0; i < v; ++i) o[i] = x[i] - lse;
-    }
+    for (int64_t i = 0; i < v; ++i) o[i] = x[i] - lse;
   });
   return out;
 }
