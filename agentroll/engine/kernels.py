@@ -84,7 +84,7 @@ def _ninja_on_path() -> None:
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def build(root: Path | None = None, *, quiet: bool = False) -> ModuleType:
+def build(root: Path | None = None) -> ModuleType:
     """Build (or find) the extension under ``root`` and import it.  Raises on failure."""
     from torch.utils import cpp_extension
 
@@ -101,13 +101,12 @@ def build(root: Path | None = None, *, quiet: bool = False) -> ModuleType:
     with open(root / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
         if not final.exists():
-            if not quiet:
-                print(
-                    f"[agentroll] compiling the engine's CPU kernels into {root / key} "
-                    "(once per machine, about 30 s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            print(
+                f"[agentroll] compiling the engine's CPU kernels into {root / key} "
+                "(once per machine, about 30 s)",
+                file=sys.stderr,
+                flush=True,
+            )
             start = time.monotonic()
             with tempfile.TemporaryDirectory(prefix=f"{key}.build-", dir=root) as tmp:
                 cpp_extension.load(
@@ -122,12 +121,11 @@ def build(root: Path | None = None, *, quiet: bool = False) -> ModuleType:
                 staged = final.with_suffix(f".so.{os.getpid()}")
                 shutil.copyfile(built, staged)
                 os.replace(staged, final)
-            if not quiet:
-                print(
-                    f"[agentroll] CPU kernels built in {time.monotonic() - start:.0f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            print(
+                f"[agentroll] CPU kernels built in {time.monotonic() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     loaded = sys.modules.get(name)
     return loaded if loaded is not None else _import(name, final)
 
@@ -159,13 +157,6 @@ def _load() -> ModuleType | None:
                 flush=True,
             )
     return module
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels can take these tensors (fp32, CPU) and are available."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return False
-    return get() is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,8 +71,9 @@ class ForwardOutput:
 
     @property
     def last_logits(self) -> dict[int, Tensor]:
-        assert self.logits is not None or not self.last_rows
-        return {i: self.logits[r] for i, r in self.last_rows.items()}  # type: ignore[index]
+        """Item -> [vocab] logits of its last token (views into ``logits``)."""
+        logits = self.logits
+        return {} if logits is None else {i: logits[r] for i, r in self.last_rows.items()}
 
     def last(self, items: Sequence[int]) -> Tensor:
         """[len(items), vocab]: the last-token logits of these items, in this order."""
@@ -99,12 +100,13 @@ def _long(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device)
     return t if device.type == "cpu" else t.to(device)
 
 
-def _padded(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
+def _padded(tables: Sequence[Sequence[int]], width: int, device: torch.device) -> Tensor:
+    """Block tables as one int64 [len(tables), width] tensor (cut or zero-padded to width)."""
     out = np.zeros((len(tables), width), dtype=np.int64)
     for i, t in enumerate(tables):
         row = t[:width]
         out[i, : len(row)] = row
-    return out
+    return torch.from_numpy(out).to(device)
 
 
 class ModelRunner:
@@ -377,8 +379,7 @@ class _FastOps:
         if decodes:
             lengths = [plan.items[i].start_pos + 1 for i in decodes]
             nb = -(-max(lengths) // bs)
-            padded = _padded([plan.items[i].block_table for i in decodes], nb)
-            blocks = torch.from_numpy(padded).to(dev)
+            blocks = _padded([plan.items[i].block_table for i in decodes], nb, dev)
             self.decode_rows = _long([plan.offsets[i] for i in decodes], dev)
             if self.kernels is not None:
                 self.decode_tables = blocks
@@ -487,9 +488,7 @@ class _InvariantOps(_FastOps):
             nb = max(
                 -(-(it.start_pos + len(it.token_ids)) // runner.block_size) for it in plan.items
             )
-            self.tables = torch.from_numpy(_padded([it.block_table for it in plan.items], nb)).to(
-                dev
-            )
+            self.tables = _padded([it.block_table for it in plan.items], nb, dev)
             rows: list[int] = []
             lens: list[int] = []
             for i, it in enumerate(plan.items):

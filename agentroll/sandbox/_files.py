@@ -5,9 +5,10 @@ Invariants: a restore unpacks into a staging directory first and refuses members
 the directory (absolute paths, ``..``, outward links), so a bad blob leaves the working
 directory untouched; deletion also removes directories a command left without permissions.
 Working and staging directories are named after the process that made them
-(``agentroll-sb-<host tag>.<pid>.<start ticks>-*``, the host tag from ``_owner.HOST``), so a process killed before it could clean up
-(``kill -9``, OOM) leaves directories that ``reap_workdirs`` removes later; a directory whose
-owner runs, or whose name carries no owner, is never touched.
+(``agentroll-sb-<host tag>.<pid>.<start ticks>-*``, the host tag from ``_owner.HOST``), so a
+process killed before it could clean up (``kill -9``, OOM) leaves directories that
+``reap_workdirs`` removes later; a directory whose owner runs, or whose name carries no
+owner, is never touched.
 """
 
 from __future__ import annotations

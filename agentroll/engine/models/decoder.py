@@ -3,9 +3,9 @@
 Parameters carry Hugging Face names, so checkpoints, weight updates and state dicts share one
 naming.  The math is written against :class:`Ops`, supplied by the model runner (linear
 layers, norms, the gated activation, RoPE, paged attention): this file never chooses kernels
-nor touches the KV cache.  For the same weights and tokens it computes what ``transformers`` computes, up to
-floating-point rounding.  Checkpoint problems raise :class:`ConfigError` naming the file, field
-or tensor; pickled checkpoints are never loaded.
+nor touches the KV cache.  For the same weights and tokens it computes what ``transformers``
+computes, up to floating-point rounding.  Checkpoint problems raise :class:`ConfigError`
+naming the file, field or tensor; pickled checkpoints are never loaded.
 """
 
 from __future__ import annotations
