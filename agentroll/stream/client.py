@@ -339,10 +339,13 @@ class _Body(httpx.AsyncByteStream):
         self.data = data
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        if self.data:
+        data, self.data = self.data, bytearray()
+        if data:
             # a bytearray: httpx hands chunks through untouched, and decode_lease makes its
-            # arrays writable views of it
-            yield typing.cast(bytes, self.data)
+            # arrays writable views of it.  Not kept here: httpx's response and its stream
+            # refer to each other, so whatever they hold lives until the cyclic GC runs; the
+            # body is freed with the last array of its batch instead
+            yield typing.cast(bytes, data)
 
 
 class FastTransport(httpx.AsyncBaseTransport):
@@ -651,10 +654,17 @@ class StreamClient:
         """Lease up to ``max`` trajectories (whole groups; at least one group), waiting up to
         ``wait`` seconds for one; None if none came.  No dedupe here (see ``batches``).
         Raises ``StreamError``."""
+        return self._decode_lease(await self._lease_reply(max, wait, trainer_version))
+
+    async def _lease_reply(
+        self, max: int, wait: float, trainer_version: int | None
+    ) -> tuple[int, str, bytes | bytearray]:
+        """The undecoded reply of one lease request: ``(status, content type, body)``."""
         request = LeaseRequest(max=max, wait=wait, trainer_version=trainer_version)
-        status, ctype, data = await self._request(
-            "POST", "/v1/lease", self._encode(request), extra_timeout=wait
-        )
+        return await self._request("POST", "/v1/lease", self._encode(request), extra_timeout=wait)
+
+    def _decode_lease(self, reply: tuple[int, str, bytes | bytearray]) -> LeaseBatch | None:
+        status, ctype, data = reply
         if status == 204:
             return None
         batch: LeaseBatch = self._decode(ctype, data, LeaseBatch)
@@ -729,23 +739,26 @@ class StreamClient:
         ``prefetch`` the next lease is requested while the consumer works on the current
         batch (when the loop stops, a lease in flight is cancelled; anything it had leased
         is offered again after its ttl).  Raises ``StreamError``."""
-        next_lease: asyncio.Future[LeaseBatch | None] | None = None
+        next_lease: asyncio.Future[tuple[int, str, bytes | bytearray]] | None = None
         acking: collections.deque[asyncio.Future[int]] = collections.deque()
         try:
             while True:
                 if next_lease is None:
                     next_lease = asyncio.ensure_future(
-                        self.lease(max, wait, trainer_version=trainer_version)
+                        self._lease_reply(max, wait, trainer_version)
                     )
-                batch = await next_lease
+                reply = await next_lease
                 next_lease = None
+                if prefetch and reply[0] != 204:
+                    # the next request goes out before this reply is decoded: the worker
+                    # prepares and sends the next batch while this one is decoded and used
+                    next_lease = asyncio.ensure_future(
+                        self._lease_reply(max, wait, trainer_version)
+                    )
+                    await asyncio.sleep(0)  # let it send its request first
+                batch = self._decode_lease(reply)
                 if batch is None:
                     continue
-                if prefetch:
-                    next_lease = asyncio.ensure_future(
-                        self.lease(max, wait, trainer_version=trainer_version)
-                    )
-                    await asyncio.sleep(0)  # let it send its request before the consumer runs
                 fresh = await self._fresh(batch)
                 if not fresh:
                     continue

@@ -103,6 +103,22 @@ class _Lane:
     task: asyncio.Task[None] | None = None
 
 
+#: a records round is cut after this many payload bytes: the rest waits for the next writev,
+#: which runs while this round's fdatasync does (one unbounded round would make every
+#: publisher wait for all of it, then leave the disk idle while they all encode again)
+_ROUND_BYTES = 2 << 20
+
+
+def _round(jobs: list[_Job], limit: int) -> tuple[list[_Job], list[_Job]]:
+    """``jobs`` split after the first job that brings the payload bytes to ``limit``."""
+    size = 0
+    for i, job in enumerate(jobs):
+        size += sum(len(r[1]) for r in job.records)
+        if size >= limit:
+            return jobs[: i + 1], jobs[i + 1 :]
+    return jobs, []
+
+
 class TrajectoryStream:
     """A spool directory and a ``TrajectoryBuffer`` behind one producer/consumer API.
 
@@ -129,7 +145,7 @@ class TrajectoryStream:
         self._clock = clock
         self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
         self._spool: Spool | None = None
-        self._lanes = {name: _Lane(name) for name in ("records", "acks")}
+        self._lanes = {name: _Lane(name) for name in ("records", "sync", "acks")}
         self._drop_ids: list[str] = []
         # what the spool holds, changed by the commit threads with the spool under this lock
         self._tally = threading.Lock()
@@ -223,29 +239,41 @@ class TrajectoryStream:
         return await job.future
 
     async def _commit_loop(self, lane: _Lane) -> None:
-        """Commit the lane's queued jobs together (one fsync per round), round after round;
-        records and acks are separate lanes, so their fsyncs (different files) overlap."""
+        """Commit the lane's queued jobs round after round.  Records go through two lanes:
+        ``records`` writes each round (one writev) and hands it on to ``sync``, whose
+        fdatasync answers every round written before it began; so the next round's writev
+        runs while the previous one's fdatasync waits on the disk.  Acks have their own
+        lane (another file: its fsyncs overlap the records')."""
         from agentroll.weights.transport import run_blocking
 
-        acks = lane.name == "acks"
+        sync = self._lanes["sync"]
         while True:
             await lane.wake.wait()
             lane.wake.clear()
-            while lane.jobs or (acks and self._drop_ids):
+            while lane.jobs or (lane.name == "acks" and self._drop_ids):
                 jobs, lane.jobs = lane.jobs, []
+                if lane.name == "records":  # a round of at most _ROUND_BYTES: see above
+                    jobs, lane.jobs = _round(jobs, _ROUND_BYTES)
                 drops: list[str] = []
-                if acks:
+                if lane.name == "acks":
                     drops, self._drop_ids = self._drop_ids, []
                 try:
-                    if acks:
-                        await run_blocking(self._commit_acks, jobs, drops)
+                    if lane.name == "records":
+                        await run_blocking(self._write_records, jobs)
+                    elif lane.name == "sync":
+                        await run_blocking(self.spool.sync_records)
                     else:
-                        await run_blocking(self._commit_records, jobs)
+                        await run_blocking(self._commit_acks, jobs, drops)
                 except Exception as exc:  # disk error: every waiting caller learns it
-                    logger.exception("spool commit failed")
+                    logger.exception("spool %s failed", lane.name)
                     for job in jobs:
                         job.error = job.error or exc
-                self.counters["group_commits"] += 1
+                if lane.name == "records":  # written: answered once an fdatasync covers them
+                    sync.jobs += [job for job in jobs if job.error is None]
+                    sync.wake.set()
+                    jobs = [job for job in jobs if job.error is not None]
+                else:
+                    self.counters["group_commits"] += 1
                 for job in jobs:
                     assert job.future is not None
                     if job.future.done():
@@ -254,18 +282,21 @@ class TrajectoryStream:
                         job.future.set_exception(job.error)
                     else:
                         job.future.set_result(job.result)
-                if acks and self.spool.collectable():
+                if lane.name == "acks" and self.spool.collectable():
                     # deleting acknowledged segments (tens of ms each) happens after the
                     # callers were answered, between ack commits
                     try:
                         await run_blocking(self.spool.collect)
                     except Exception:
                         logger.exception("deleting acknowledged spool segments failed")
-            if self._closing:
+            records = self._lanes["records"].task
+            # the sync lane ends after the records lane, which hands it its last round
+            if self._closing and (lane is not sync or records is None or records.done()):
                 return
 
-    def _commit_records(self, jobs: list[_Job]) -> None:
-        """In a thread: append every job's records (one writev), then one fdatasync."""
+    def _write_records(self, jobs: list[_Job]) -> None:
+        """In a thread: append every job's records with one writev (not yet durable: the
+        sync lane's fdatasync makes them so); a job whose id was published before fails."""
         spool = self.spool
         with self._tally:
             try:  # one writev for the whole round
@@ -277,7 +308,6 @@ class TrajectoryStream:
                     except ValueError as exc:
                         job.error = ValueError(f"{exc} (published before)")
             self._in_spool["published"] += sum(len(j.records) for j in jobs if j.error is None)
-        spool.sync_records()
 
     def _commit_acks(self, jobs: list[_Job], drops: list[str]) -> None:
         """In a thread: record every ack (and stale drop), then one fsync of the ack log."""

@@ -207,3 +207,13 @@ def test_hand_framed_lease_body_equals_msgspec_encoding(n: int) -> None:
     )
     prefix = msgspec.msgpack.encode(_RawLeaseBatch(**head, trajectories=[]))
     assert b"".join([prefix[:-1], _msgpack_array_header(n), *items]) == expected
+
+
+async def test_a_received_body_is_not_kept_by_the_response() -> None:
+    """httpx's response and its stream refer to each other (a cycle): the body handed out
+    must not stay reachable from them, or every lease's buffer lives until the cyclic GC."""
+    from agentroll.stream.client import _Body
+
+    body = _Body(bytearray(b"abc"))
+    parts = [part async for part in body]
+    assert parts == [bytearray(b"abc")] and body.data == bytearray()

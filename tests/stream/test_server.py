@@ -289,6 +289,55 @@ async def test_a_publish_is_answered_only_after_an_fsync_that_covers_it(tmp_path
         assert fsyncs[0] <= 240 // 8  # shared
 
 
+async def test_next_round_is_written_while_the_last_one_is_fsyncd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records rounds are cut at ``_ROUND_BYTES`` and pipelined: a round's writev runs while
+    the previous round's fdatasync waits on the disk (every publish still waits for an
+    fdatasync that covers it: the test above)."""
+    import agentroll.stream.server as server
+
+    monkeypatch.setattr(server, "_ROUND_BYTES", 1)  # every group its own round
+    async with worker(tmp_path, config(capacity=512)) as (stream, _):
+        spool = stream.spool
+        syncing = threading.Event()
+        overlapped: list[str] = []
+        rounds: list[int] = []
+        append_many, sync_records = spool.append_many, spool.sync_records
+
+        def append(items: Iterable[tuple[str, bytes]]) -> None:
+            items = list(items)
+            rounds.append(len(items))
+            if syncing.is_set():
+                overlapped.extend(rid for rid, _ in items)
+            append_many(items)
+
+        def slow_sync() -> None:
+            syncing.set()
+            try:
+                time.sleep(0.005)
+                sync_records()
+            finally:
+                syncing.clear()
+
+        spool.append_many = append  # type: ignore[method-assign,assignment]
+        spool.sync_records = slow_sync  # type: ignore[method-assign]
+        await asyncio.gather(*(stream.publish([traj(i)]) for i in range(32)))
+        assert len(spool) == 32
+        assert set(rounds) == {1}  # cut at the first job that reaches the limit
+        assert overlapped  # written while an fdatasync was in flight
+
+
+def test_a_round_is_cut_after_the_job_that_reaches_the_limit() -> None:
+    from agentroll.stream.server import _Job, _round
+
+    jobs = [_Job(records=[(f"r{i}", b"x" * 10)] * 2) for i in range(5)]  # 20 bytes each
+    assert _round(jobs, 45) == (jobs[:3], jobs[3:])
+    assert _round(jobs, 40) == (jobs[:2], jobs[2:])
+    assert _round(jobs, 1000) == (jobs, [])
+    assert _round(jobs, 1) == (jobs[:1], jobs[1:])
+
+
 async def test_status_is_consistent_while_commits_are_half_done(tmp_path: Path) -> None:
     """A status read while a commit has changed the spool but not yet answered its caller
     (records appended, fsync in flight; acks applied, ack-log fsync in flight; a stale drop

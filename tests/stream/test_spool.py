@@ -4,6 +4,7 @@ are detected and dropped, fully acknowledged segments and old acks are reclaimed
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -293,3 +294,22 @@ def test_random_crashes_lose_nothing_durable(
         assert ids(spool) == [i for i in appended if i not in acked]
     finally:
         spool.close()
+
+
+def test_segments_are_preallocated_yet_hold_exactly_their_records(tmp_path: Path) -> None:
+    """A new segment reserves ``segment_bytes`` of disk (fallocate KEEP_SIZE, Linux) without
+    growing: its size is what was written, so a reopen finds no torn tail."""
+    from agentroll.stream import spool as spool_module
+
+    config = SpoolConfig(segment_bytes=1 << 20)
+    with Spool(tmp_path, config) as spool:
+        spool.append_many([traj(i) for i in range(3)])
+        spool.flush()
+        (segment,) = segments(tmp_path)
+        stat = segment.stat()
+        assert stat.st_size == spool.statistics().bytes
+        if spool_module._fallocate is not None and sys.platform.startswith("linux"):
+            assert stat.st_blocks * 512 >= 1 << 20  # reserved (tmpfs and ext4 both do)
+    with Spool(tmp_path, config) as spool:
+        assert spool.statistics().torn_bytes_dropped == 0
+        assert ids(spool) == [f"t{i:05d}" for i in range(3)]
