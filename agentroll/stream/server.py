@@ -119,6 +119,84 @@ def _round(jobs: list[_Job], limit: int) -> tuple[list[_Job], list[_Job]]:
     return jobs, []
 
 
+class _RecordsCommitter:
+    """Two threads that make published records durable with no event-loop step between
+    them: the writer appends each queued round (cut at ``_ROUND_BYTES``; one writev) and
+    hands it to the syncer, whose fdatasync covers every round written before it began, so
+    the next round's writev runs while the last one's fdatasync waits on the disk.  Each
+    round's callers are answered with one ``call_soon_threadsafe``."""
+
+    def __init__(self, stream: TrajectoryStream, loop: asyncio.AbstractEventLoop) -> None:
+        self._stream = stream
+        self._loop = loop
+        self._cond = threading.Condition()
+        self._queued: list[_Job] = []
+        self._written: list[_Job] = []
+        self._closing = False
+        self._writer_done = False
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="agentroll-spool-write", daemon=True),
+            threading.Thread(target=self._sync_loop, name="agentroll-spool-sync", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: _Job) -> None:
+        with self._cond:
+            self._queued.append(job)
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queued and not self._closing:
+                        self._cond.wait()
+                    if not self._queued:
+                        return
+                    jobs, self._queued = _round(self._queued, _ROUND_BYTES)
+                try:
+                    self._stream._write_records(jobs)
+                except Exception as exc:  # disk error: every caller of the round learns it
+                    logger.exception("spool write failed")
+                    for job in jobs:
+                        job.error = job.error or exc
+                failed = [job for job in jobs if job.error is not None]
+                if failed:
+                    self._loop.call_soon_threadsafe(self._stream._answer, failed, False)
+                with self._cond:
+                    self._written += [job for job in jobs if job.error is None]
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._writer_done = True
+                self._cond.notify_all()
+
+    def _sync_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._written and not self._writer_done:
+                    self._cond.wait()
+                if not self._written:
+                    return
+                jobs, self._written = self._written, []
+            try:
+                self._stream.spool.sync_records()
+            except Exception as exc:
+                logger.exception("spool fdatasync failed")
+                for job in jobs:
+                    job.error = exc
+            self._loop.call_soon_threadsafe(self._stream._answer, jobs, True)
+
+    def close(self) -> None:
+        """Blocking: commit what is queued, then stop both threads."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+
 class TrajectoryStream:
     """A spool directory and a ``TrajectoryBuffer`` behind one producer/consumer API.
 
@@ -145,7 +223,8 @@ class TrajectoryStream:
         self._clock = clock
         self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
         self._spool: Spool | None = None
-        self._lanes = {name: _Lane(name) for name in ("records", "sync", "acks")}
+        self._lanes = {"acks": _Lane("acks")}
+        self._records: _RecordsCommitter | None = None
         self._drop_ids: list[str] = []
         # what the spool holds, changed by the commit threads with the spool under this lock
         self._tally = threading.Lock()
@@ -178,6 +257,7 @@ class TrajectoryStream:
         from agentroll.weights.transport import run_blocking
 
         self._spool, groups = await run_blocking(self._open)
+        self._records = _RecordsCommitter(self, asyncio.get_running_loop())
         for lane in self._lanes.values():
             lane.task = asyncio.create_task(
                 self._commit_loop(lane), name=f"agentroll-spool-{lane.name}"
@@ -224,79 +304,70 @@ class TrajectoryStream:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+            if self._records is not None:
+                await run_blocking(self._records.close)
             if self._spool is not None:
                 await run_blocking(self._spool.close)
 
     # -- group commit ----------------------------------------------------------------------
 
     async def _submit(self, job: _Job) -> int:
-        lane = self._lanes["records" if job.records else "acks"]
-        if self._closing or lane.task is None:
+        lane = self._lanes["acks"]
+        if self._closing or lane.task is None or self._records is None:
             raise RuntimeError("TrajectoryStream is closed or not open; use `async with`")
         job.future = asyncio.get_running_loop().create_future()
-        lane.jobs.append(job)
-        lane.wake.set()
+        if job.records:
+            self._records.submit(job)
+        else:
+            lane.jobs.append(job)
+            lane.wake.set()
         return await job.future
 
+    def _answer(self, jobs: list[_Job], committed: bool) -> None:
+        """On the event loop: tell each job's caller its result (or error)."""
+        if committed:
+            self.counters["group_commits"] += 1
+        for job in jobs:
+            assert job.future is not None
+            if job.future.done():
+                continue
+            if job.error is not None:
+                job.future.set_exception(job.error)
+            else:
+                job.future.set_result(job.result)
+
     async def _commit_loop(self, lane: _Lane) -> None:
-        """Commit the lane's queued jobs round after round.  Records go through two lanes:
-        ``records`` writes each round (one writev) and hands it on to ``sync``, whose
-        fdatasync answers every round written before it began; so the next round's writev
-        runs while the previous one's fdatasync waits on the disk.  Acks have their own
-        lane (another file: its fsyncs overlap the records')."""
+        """Commit queued acks (and stale drops) together, one fsync of the ack log per
+        round (another file than the records': the two fsyncs overlap)."""
         from agentroll.weights.transport import run_blocking
 
-        sync = self._lanes["sync"]
         while True:
             await lane.wake.wait()
             lane.wake.clear()
-            while lane.jobs or (lane.name == "acks" and self._drop_ids):
+            while lane.jobs or self._drop_ids:
                 jobs, lane.jobs = lane.jobs, []
-                if lane.name == "records":  # a round of at most _ROUND_BYTES: see above
-                    jobs, lane.jobs = _round(jobs, _ROUND_BYTES)
-                drops: list[str] = []
-                if lane.name == "acks":
-                    drops, self._drop_ids = self._drop_ids, []
+                drops, self._drop_ids = self._drop_ids, []
                 try:
-                    if lane.name == "records":
-                        await run_blocking(self._write_records, jobs)
-                    elif lane.name == "sync":
-                        await run_blocking(self.spool.sync_records)
-                    else:
-                        await run_blocking(self._commit_acks, jobs, drops)
+                    await run_blocking(self._commit_acks, jobs, drops)
                 except Exception as exc:  # disk error: every waiting caller learns it
-                    logger.exception("spool %s failed", lane.name)
+                    logger.exception("spool ack commit failed")
                     for job in jobs:
                         job.error = job.error or exc
-                if lane.name == "records":  # written: answered once an fdatasync covers them
-                    sync.jobs += [job for job in jobs if job.error is None]
-                    sync.wake.set()
-                    jobs = [job for job in jobs if job.error is not None]
-                else:
-                    self.counters["group_commits"] += 1
-                for job in jobs:
-                    assert job.future is not None
-                    if job.future.done():
-                        continue
-                    if job.error is not None:
-                        job.future.set_exception(job.error)
-                    else:
-                        job.future.set_result(job.result)
-                if lane.name == "acks" and self.spool.collectable():
+                self._answer(jobs, True)
+                if self.spool.collectable():
                     # deleting acknowledged segments (tens of ms each) happens after the
                     # callers were answered, between ack commits
                     try:
                         await run_blocking(self.spool.collect)
                     except Exception:
                         logger.exception("deleting acknowledged spool segments failed")
-            records = self._lanes["records"].task
-            # the sync lane ends after the records lane, which hands it its last round
-            if self._closing and (lane is not sync or records is None or records.done()):
+            if self._closing:
                 return
 
     def _write_records(self, jobs: list[_Job]) -> None:
-        """In a thread: append every job's records with one writev (not yet durable: the
-        sync lane's fdatasync makes them so); a job whose id was published before fails."""
+        """In the writer thread: append every job's records with one writev (not yet
+        durable: the syncer's fdatasync makes them so); a job whose id was published before
+        fails."""
         spool = self.spool
         with self._tally:
             try:  # one writev for the whole round
