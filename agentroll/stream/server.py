@@ -142,11 +142,17 @@ class _RecordsCommitter:
             thread.start()
 
     def submit(self, job: _Job) -> None:
+        """Queue ``job``; raises RuntimeError once the writer thread has stopped."""
         with self._cond:
+            if self._writer_done:
+                raise RuntimeError(
+                    "the spool's writer thread has stopped (see the log); restart the worker"
+                )
             self._queued.append(job)
             self._cond.notify_all()
 
     def _write_loop(self) -> None:
+        jobs: list[_Job] = []  # the round in hand: answered or handed on, else stranded
         try:
             while True:
                 with self._cond:
@@ -166,11 +172,19 @@ class _RecordsCommitter:
                     self._loop.call_soon_threadsafe(self._stream._answer, failed, False)
                 with self._cond:
                     self._written += [job for job in jobs if job.error is None]
+                    jobs = []
                     self._cond.notify_all()
         finally:
             with self._cond:
                 self._writer_done = True
+                stranded, self._queued = jobs + self._queued, []
                 self._cond.notify_all()
+            if stranded:  # only when the thread died of an unexpected error
+                for job in stranded:
+                    job.error = RuntimeError(
+                        "the spool's writer thread stopped; restart the worker"
+                    )
+                self._loop.call_soon_threadsafe(self._stream._answer, stranded, False)
 
     def _sync_loop(self) -> None:
         while True:

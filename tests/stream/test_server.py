@@ -328,6 +328,21 @@ async def test_next_round_is_written_while_the_last_one_is_fsyncd(
         assert overlapped  # written while an fdatasync was in flight
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_dead_writer_thread_fails_publishes_instead_of_hanging(tmp_path: Path) -> None:
+    async with worker(tmp_path, config(capacity=64)) as (stream, _):
+        await stream.publish([traj(0)])
+
+        def die(jobs: object) -> None:
+            raise SystemExit("simulated crash of the writer thread")
+
+        stream._write_records = die  # type: ignore[method-assign,assignment]
+        with pytest.raises(RuntimeError, match="writer thread stopped"):
+            await asyncio.wait_for(stream.publish([traj(1)]), 10)
+        with pytest.raises(RuntimeError, match="writer thread has stopped"):
+            await asyncio.wait_for(stream.publish([traj(2)]), 10)
+
+
 def test_a_round_is_cut_after_the_job_that_reaches_the_limit() -> None:
     from agentroll.stream.server import _Job, _round
 
