@@ -97,7 +97,6 @@ class _Job:
 class _Lane:
     """A queue of group-commit jobs and the task committing them."""
 
-    name: str
     jobs: list[_Job] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -156,8 +155,7 @@ class _RecordsCommitter:
         try:
             while True:
                 with self._cond:
-                    while not self._queued and not self._closing:
-                        self._cond.wait()
+                    self._cond.wait_for(lambda: self._queued or self._closing)
                     if not self._queued:
                         return
                     jobs, self._queued = _round(self._queued, _ROUND_BYTES)
@@ -189,8 +187,7 @@ class _RecordsCommitter:
     def _sync_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._written and not self._writer_done:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._written or self._writer_done)
                 if not self._written:
                     return
                 jobs, self._written = self._written, []
@@ -237,7 +234,7 @@ class TrajectoryStream:
         self._clock = clock
         self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
         self._spool: Spool | None = None
-        self._lanes = {"acks": _Lane("acks")}
+        self._acks = _Lane()
         self._records: _RecordsCommitter | None = None
         self._drop_ids: list[str] = []
         # what the spool holds, changed by the commit threads with the spool under this lock
@@ -272,10 +269,7 @@ class TrajectoryStream:
 
         self._spool, groups = await run_blocking(self._open)
         self._records = _RecordsCommitter(self, asyncio.get_running_loop())
-        for lane in self._lanes.values():
-            lane.task = asyncio.create_task(
-                self._commit_loop(lane), name=f"agentroll-spool-{lane.name}"
-            )
+        self._acks.task = asyncio.create_task(self._commit_acks_loop(), name="agentroll-spool-acks")
         restored = self.buffer.restore(groups)
         self.counters["restored"] = restored
         if restored:
@@ -306,18 +300,15 @@ class TrajectoryStream:
         from agentroll.weights.transport import run_blocking
 
         self._closing = True
-        for lane in self._lanes.values():
-            lane.wake.set()
-        tasks = {lane.task for lane in self._lanes.values() if lane.task is not None}
+        self._acks.wake.set()
+        task = self._acks.task
         try:
-            if tasks:
-                await asyncio.shield(asyncio.gather(*tasks))
+            if task is not None:
+                await asyncio.shield(task)
         finally:
-            pending = {task for task in tasks if not task.done()}
-            for task in pending:
+            if task is not None and not task.done():
                 task.cancel()
-            if pending:
-                await asyncio.wait(pending)
+                await asyncio.wait({task})
             if self._records is not None:
                 await run_blocking(self._records.close)
             if self._spool is not None:
@@ -326,7 +317,7 @@ class TrajectoryStream:
     # -- group commit ----------------------------------------------------------------------
 
     async def _submit(self, job: _Job) -> int:
-        lane = self._lanes["acks"]
+        lane = self._acks
         if self._closing or lane.task is None or self._records is None:
             raise RuntimeError("TrajectoryStream is closed or not open; use `async with`")
         job.future = asyncio.get_running_loop().create_future()
@@ -350,11 +341,12 @@ class TrajectoryStream:
             else:
                 job.future.set_result(job.result)
 
-    async def _commit_loop(self, lane: _Lane) -> None:
+    async def _commit_acks_loop(self) -> None:
         """Commit queued acks (and stale drops) together, one fsync of the ack log per
         round (another file than the records': the two fsyncs overlap)."""
         from agentroll.weights.transport import run_blocking
 
+        lane = self._acks
         while True:
             await lane.wake.wait()
             lane.wake.clear()
@@ -409,7 +401,7 @@ class TrajectoryStream:
         for t in trajectories:
             self._drop_ids.append(t.id)
         self.counters["dropped_stale"] += len(trajectories)
-        self._lanes["acks"].wake.set()
+        self._acks.wake.set()
 
     # -- producer / consumer ---------------------------------------------------------------
 

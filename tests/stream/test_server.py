@@ -128,6 +128,37 @@ async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> Non
         assert len(stream.spool) == 0
 
 
+async def test_batches_sends_the_next_lease_before_decoding_the_last(tmp_path: Path) -> None:
+    """With prefetch, the worker prepares batch k+1 while batch k is decoded: the request for
+    k+1 is on its way when k's reply is decoded (no dedupe or ack change either way)."""
+    async with worker(tmp_path) as (stream, url):
+        for i in range(6):
+            await stream.publish([traj(i)])
+        async with StreamClient(url) as client:
+            requests = [0]
+            at_decode: list[int] = []
+            lease_reply, decode_lease = client._lease_reply, client._decode_lease
+
+            async def counted(*args: object) -> tuple[int, str, bytes | bytearray]:
+                requests[0] += 1
+                return await lease_reply(*args)  # type: ignore[arg-type]
+
+            def decode(reply: tuple[int, str, bytes | bytearray]) -> object:
+                at_decode.append(requests[0])
+                return decode_lease(reply)
+
+            client._lease_reply = counted  # type: ignore[method-assign]
+            client._decode_lease = decode  # type: ignore[method-assign,assignment]
+            got: list[str] = []
+            async with contextlib.aclosing(client.batches(max=2, wait=5, auto_ack=True)) as it:
+                async for batch in it:
+                    got += [t.id for t in batch]
+                    if len(got) == 6:
+                        break
+        assert sorted(got) == [f"t-{i:08d}" for i in range(6)]
+        assert at_decode[:3] == [2, 3, 4]  # reply k decoded after request k+1 was made
+
+
 async def test_take_returns_exactly_n_never_handed_out_before(tmp_path: Path) -> None:
     clock = FakeClock()
     async with worker(tmp_path, clock=clock) as (stream, url):
@@ -300,32 +331,34 @@ async def test_next_round_is_written_while_the_last_one_is_fsyncd(
     monkeypatch.setattr(server, "_ROUND_BYTES", 1)  # every group its own round
     async with worker(tmp_path, config(capacity=512)) as (stream, _):
         spool = stream.spool
-        syncing = threading.Event()
-        overlapped: list[str] = []
+        syncing = threading.Event()  # the first fdatasync has begun
+        written_meanwhile = threading.Event()  # and a writev ran before it ended
         rounds: list[int] = []
         append_many, sync_records = spool.append_many, spool.sync_records
 
         def append(items: Iterable[tuple[str, bytes]]) -> None:
             items = list(items)
             rounds.append(len(items))
-            if syncing.is_set():
-                overlapped.extend(rid for rid, _ in items)
             append_many(items)
+            if syncing.is_set():
+                written_meanwhile.set()
 
         def slow_sync() -> None:
             syncing.set()
-            try:
-                time.sleep(0.005)
-                sync_records()
-            finally:
-                syncing.clear()
+            written_meanwhile.wait(5)  # a disk that answers only once the next round is written
+            sync_records()
 
         spool.append_many = append  # type: ignore[method-assign,assignment]
         spool.sync_records = slow_sync  # type: ignore[method-assign]
-        await asyncio.gather(*(stream.publish([traj(i)]) for i in range(32)))
-        assert len(spool) == 32
+
+        async def during_the_first_fsync() -> None:
+            await asyncio.to_thread(syncing.wait, 5)
+            await asyncio.gather(*(stream.publish([traj(i)]) for i in range(1, 8)))
+
+        await asyncio.gather(stream.publish([traj(0)]), during_the_first_fsync())
+        assert len(spool) == 8
         assert set(rounds) == {1}  # cut at the first job that reaches the limit
-        assert overlapped  # written while an fdatasync was in flight
+        assert written_meanwhile.is_set()  # written while an fdatasync was in flight
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
