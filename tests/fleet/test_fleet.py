@@ -680,19 +680,35 @@ async def test_update_failing_on_one_replica_takes_it_out_of_rotation(
     fleet = FleetBackend(reps, strategy=strategy)  # type: ignore[arg-type]
     async with fleet:
         traffic = Traffic(fleet)
+        updated = [asyncio.Event(), asyncio.Event()]
 
         async def update(engine: RolloutEngine) -> tuple[SyncReport, SyncReport]:
             await traffic.wait(lambda: any(c.delivered >= 2 for c in fleet.calls_on(bad.name)))
             first = await fleet.update(updates[0])
+            updated[0].set()
             mark = len(traffic.chunks)
             await traffic.wait(traffic.busy(calls=2))
             second = await fleet.update(updates[1])  # the failed replica is not asked again
+            updated[1].set()
             await traffic.wait(traffic.busy(calls=1, tokens=1))
             assert bad.name not in traffic.since(mark)
             return first, second
 
-        # enough episodes that calls are still in flight after the first (slow) update
-        trajs, (first, second) = await run_episodes(fleet, traffic, update, episodes=48)
+        started = 0
+
+        async def admit(n: int) -> None:
+            # three waves of 16 (the engine's concurrency): the second starts once the
+            # first update returned, the third once the second did, so calls are in flight
+            # after each update however fast the episodes run
+            nonlocal started
+            wave = min(started // 16, 2)
+            started += n
+            if wave:
+                await asyncio.wait_for(updated[wave - 1].wait(), 120)
+
+        trajs, (first, second) = await run_episodes(
+            fleet, traffic, update, episodes=48, admit=admit
+        )
         assert_quiet(fleet)
     assert set(first.failed) == {bad.name} and "WeightSyncError" in first.failed[bad.name]
     assert second.failed == {}
