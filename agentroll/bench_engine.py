@@ -10,8 +10,9 @@ warm-up.  Prints one ``key=value`` result line.
 
 ``matmul_floor_tokens_per_s`` is an upper bound, measured in the same run: the tokens/s of a
 decode step that did nothing but the model's matrix products (every linear layer and the LM
-head, on ``concurrency`` rows, in fp32 on the same threads, each in the faster of the two
-weight layouts, with the weights warm in cache).  No engine running this model in fp32 here,
+head, on ``concurrency`` rows, in fp32 on the same threads, each the fastest of torch on
+either weight layout and the engine kernels' blocked products, with the weights warm in
+cache).  No engine running this model in fp32 here,
 ours or another, can exceed it; ``matmul_floor / hf_batch`` is the most any of them could
 gain over ``transformers`` batched.  ``torch_ops_tokens_per_s`` is the built-in engine with
 its C++ CPU kernels off (``cpu_kernels=0`` says they could not be built here, and then every
@@ -134,32 +135,55 @@ def _matmul_floor(model: Path, rows: int, steps: int = 200) -> float:
     from agentroll.engine.models.decoder import load_model
 
     m = load_model(model)
-    linears: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-        (mod.weight, mod.bias) for mod in m.modules() if isinstance(mod, torch.nn.Linear)
-    ]
-    if m.lm_head is None:  # a tied head reads the embedding
-        linears.append((m.lm_head_weight, None))
-    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in linears}
-    # each product in the faster of the two weight layouts here (the engine's kernels path
-    # multiplies by transposed copies), so the bound holds for it too
-    layouts = []
-    for weight, bias in linears:
-        x, wt = inputs[weight.shape[1]], weight.detach().t().contiguous()
-        plain = _best_of(lambda w=weight, b=bias, x=x: torch.nn.functional.linear(x, w, b))
-        flipped = _best_of(
-            lambda w=wt, b=bias, x=x: torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-        )
-        layouts.append((weight, bias, False) if plain <= flipped else (wt, bias, True))
+    # the products of a step: each linear layer on its own, and q/k/v and gate/up also as one
+    # product over their weights side by side (the engine's fused layout)
+    named = m.named_weights()
+
+    def pair(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return named[f"{name}.weight"], named.get(f"{name}.bias")
+
+    groups: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+    for i in range(m.config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        groups.append([pair(attn + f"{x}_proj") for x in "qkv"])
+        groups.append([pair(attn + "o_proj")])
+        groups.append([pair(mlp + "gate_proj"), pair(mlp + "up_proj")])
+        groups.append([pair(mlp + "down_proj")])
+    groups.append([(m.lm_head_weight, None)])
+    # each product the fastest of the ways available here: torch on the weight as stored, torch
+    # on a transposed copy, the engine kernels' blocked products on that copy (what the engine
+    # runs), and, for a group, the fastest of these over the fused weight
+    from agentroll.engine import kernels
+
+    ext = kernels.get()
+
+    def ways(weight: torch.Tensor, bias: torch.Tensor | None) -> list[Any]:
+        x, wt = torch.randn(rows, weight.shape[1]), weight.detach().t().contiguous()
+        out = [
+            lambda: torch.nn.functional.linear(x, weight, bias),
+            lambda: torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt),
+        ]
+        if ext is not None:
+            out.append(lambda: ext.linear(x, wt, bias, 0))
+        return out
+
+    products: list[Any] = []
+    with torch.inference_mode():
+        for group in groups:
+            apart = [min(ways(w, b), key=_best_of) for w, b in group]
+            if len(group) > 1:
+                biases = [b for _, b in group]
+                bias = (
+                    None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+                )
+                fused = min(ways(torch.cat([w for w, _ in group]), bias), key=_best_of)
+                if _best_of(fused) < sum(_best_of(p) for p in apart):
+                    apart = [fused]
+            products += apart
 
     def step() -> None:
-        for weight, bias, flipped in layouts:
-            x = inputs[weight.shape[0] if flipped else weight.shape[1]]
-            if not flipped:
-                torch.nn.functional.linear(x, weight, bias)
-            elif bias is None:
-                torch.mm(x, weight)
-            else:
-                torch.addmm(bias, x, weight)
+        for product in products:
+            product()
 
     rates = []
     with torch.inference_mode():

@@ -1,10 +1,14 @@
 """The engine's C++ CPU kernels (``csrc/cpu_kernels.cpp``): built once per machine, then loaded.
 
 What they replace: on a small model a decode step is mostly the cost of many small torch ops
-(RMSNorm is seven of them, RoPE eight) and of gathering every sequence's K/V out of the paged
-cache before attention.  The kernels do RMSNorm, SiLU-and-multiply and RoPE in one pass each
-and attend straight from the paged cache; the model runner uses them for fp32 on the CPU and
-falls back to plain torch everywhere else (other dtypes, CUDA, or when they cannot be built).
+(RMSNorm is seven of them, RoPE eight), of gathering every sequence's K/V out of the paged
+cache before attention, of the Python between ops, and of MKL's sgemm, which repacks the
+weights on every call and runs AVX2 code on AMD CPUs.  The kernels do RMSNorm, SiLU-and-multiply
+and RoPE in one pass each, attend straight from the paged cache, multiply by blocked calls of
+oneDNN's brgemm micro-kernels (through torch's ``at::native::cpublas``), and run a whole
+decoder step in one call (``decoder_forward``, which releases the GIL); the model runner uses
+them for fp32 on the CPU and falls back to plain torch everywhere else (other dtypes, CUDA, or
+when they cannot be built).
 
 Invariants: the extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into
 ``$AGENTROLL_KERNEL_DIR`` (default ``~/.cache/agentroll/kernels``) under a key that hashes the

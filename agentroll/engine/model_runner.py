@@ -3,17 +3,22 @@
 It owns the paged KV cache (per layer, K and V of shape [num_blocks, block_size, kv_heads,
 head_dim]) and runs one forward step over sequences given as plain records: new tokens, the
 number already cached and a block table of ints.  For fp32 on the CPU it uses the engine's C++
-kernels (``kernels.py``: norms, SiLU, RoPE, K/V writes, attention read from the paged cache)
-and multiplies by cached transposed copies of the weights; everywhere else, torch ops.
+kernels (``kernels.py``): a step made only of decodes, and every step in the batch-invariant
+mode, is one call of their ``decoder_forward`` (the whole model in C++, over fused QKV and
+gate/up weights transposed once, products by oneDNN's brgemm micro-kernels); other steps run
+the model layer by layer with the kernels' norms, SiLU, RoPE, K/V writes, paged attention and
+products on views of the same transposed copies, and SDPA for prefills.  Everywhere else
+(other dtypes, CUDA, no compiler) it runs torch ops.
 
 Invariants: K/V of position p live in block ``block_table[p // block_size]`` at slot
-``p % block_size``; logits are fp32; anything derived from the weights (the transposed
-copies) is dropped by ``weights_changed`` -- called by every in-place weight write, and the
-tensors' version counters are checked too; with ``batch_invariant=True`` a token's logits and
-K/V depend only on its own sequence's tokens and cache -- not on the other sequences of the
-step, nor on how its prefill was chunked -- because matmuls run on fixed-shape tiles and every
-other op computes each row on its own (the kernels by construction; on torch ops, tiles and
-one attention call per query row).
+``p % block_size``; logits are fp32; anything derived from the weights (the fused transposed
+copies) is rebuilt when a weight changed -- ``weights_changed`` is called by every in-place
+weight write, and the tensors' version counters are checked at every step too; with
+``batch_invariant=True`` a token's logits and K/V depend only on its own sequence's tokens and
+cache -- not on the other sequences of the step, nor on how its prefill was chunked --
+because matmuls run on fixed-shape tiles and every other op computes each row on its own
+(``decoder_forward`` by construction; on torch ops, tiles and one attention call per query
+row).
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ INVARIANT_TILE = 32  # rows per matmul in batch-invariant mode (fp32 MKL differs
 _ELEMENTWISE_GRAIN = 32768  # torch's CPU grain: smaller elementwise calls run on one thread
 _VECTOR_ALIGN = 64  # elements; keeps every activation in the vectorised body, not the scalar tail
 _ROPE_CHUNK = 1024  # RoPE tables are computed in fixed chunks so values never depend on history
-# With the CPU kernels, linear layers multiply by a transposed contiguous copy of each weight
-# ([in, out]): MKL's sgemm on 32 rows runs 1.3-1.9x faster that way than on nn.Linear's
-# [out, in] layout here.  The copies double the weights' memory, so only up to this size.
+# With the CPU kernels, linear layers multiply by transposed contiguous copies of the weights
+# ([in, out], q/k/v and gate/up side by side): the kernels' brgemm products need that layout
+# (2-2.5x MKL's sgemm on 32 rows here, see csrc/cpu_kernels.cpp).  The copies double the
+# weights' memory, so only up to this size; bigger models run torch's products.
 _TRANSPOSED_MAX_BYTES = 1 << 30
 
 
@@ -91,6 +97,8 @@ class _Plan:
     slots: Tensor
     offsets: list[int]
     items: Sequence[ForwardItem]
+    all_decodes: bool  # every item computes one token
+    tables: Tensor | None = None  # [items, blocks] block tables (decode plans build it)
 
 
 def _long(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> Tensor:
@@ -159,8 +167,12 @@ class ModelRunner:
         )
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.transposed = self.kernels is not None and weight_bytes <= _TRANSPOSED_MAX_BYTES
-        # id(weight) -> (weight, its version counter then, the transposed copy)
-        self._transposed: dict[int, tuple[Tensor, int, Tensor]] = {}
+        # decoder_forward's weights and the version counters they were built at, and
+        # id(weight) -> its transposed view into them (weight_t)
+        self._fused: tuple[tuple[int, ...], list[Tensor]] | None = None
+        self._views: dict[int, Tensor] = {}
+        self._params = list(self.model.parameters())
+        self._range = torch.arange(64, device=self.device)
 
     @property
     def block_bytes(self) -> int:
@@ -180,7 +192,13 @@ class ModelRunner:
         out = ForwardOutput()
         if not items:
             return out
-        plan = self._plan(items)
+        if self.transposed:
+            self._fused_weights()  # rebuilt if a weight changed; weight_t reads its views
+        plan = self._decode_plan(items) if self.transposed else None
+        if plan is None:
+            plan = self._plan(items)
+        if self.transposed and (self.batch_invariant or plan.all_decodes):
+            return self._forward_fused(plan)
         ops: _FastOps = (_InvariantOps if self.batch_invariant else _FastOps)(self, plan)
         cos, sin = self._rope(plan.positions)
         hidden = self.model(plan.token_ids, cos, sin, ops)
@@ -205,6 +223,145 @@ class ModelRunner:
                 out.last_rows[i] = at + n - 1
         return out
 
+    def _forward_fused(self, plan: _Plan) -> ForwardOutput:
+        """The step as one call of the kernels' ``decoder_forward``: the whole model in C++
+        over fused QKV and gate/up weights, every query row attending over the paged cache by
+        its own length.  Used for fp32 on the CPU in the batch-invariant mode (where products
+        run on fixed tiles) and, otherwise, for steps made only of decodes (prefills take the
+        SDPA path, which is faster on long prompts than attending row by row)."""
+        assert self.kernels is not None
+        items, bs, n = plan.items, self.block_size, len(plan.items)
+        positions = plan.positions.numpy()
+        lens = positions + 1
+        out = ForwardOutput()
+        spans: dict[int, tuple[int, int]] = {}  # item -> (first row in logits, rows)
+        if plan.all_decodes:
+            rows = self._arange(n)
+            if all(it.want_logits and not it.want_all_logits for it in items):
+                logit_rows = rows
+                out.last_rows = {i: i for i in range(n)}
+            else:
+                logit_rows = self._logit_rows(plan, out, spans)
+        else:
+            counts = [len(it.token_ids) for it in items]
+            rows = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), counts))
+            logit_rows = self._logit_rows(plan, out, spans)
+        tables = plan.tables
+        if tables is None:
+            tables = _padded(
+                [it.block_table for it in items], -(-int(lens.max()) // bs), self.device
+            )
+        self._ensure_rope(int(lens.max()))
+        cfg = self.config
+        logits = self.kernels.decoder_forward(
+            plan.token_ids,
+            plan.positions,
+            plan.slots,
+            tables,
+            rows,
+            torch.from_numpy(lens),
+            logit_rows,
+            self._cos,
+            self._sin,
+            self._fused_weights(),
+            self.k_cache,
+            self.v_cache,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            bs,
+            cfg.rms_norm_eps,
+            self.scale,
+            self.invariant_tile if self.batch_invariant else 0,
+        )
+        if len(logit_rows) == 0:
+            return ForwardOutput()
+        out.logits = logits
+        for i, (at, count) in spans.items():
+            out.all_logits[i] = logits[at : at + count]
+        return out
+
+    def _arange(self, n: int) -> Tensor:
+        """0 .. n-1 as int64 (a view of a cached range)."""
+        if self._range.shape[0] < n:
+            self._range = torch.arange(max(n, 2 * self._range.shape[0]), device=self.device)
+        return self._range[:n]
+
+    def _logit_rows(
+        self, plan: _Plan, out: ForwardOutput, spans: dict[int, tuple[int, int]]
+    ) -> Tensor:
+        """The rows whose logits the items want, in item order; fills ``out.last_rows`` and,
+        for items wanting all their rows, ``spans`` (item -> first row, number of rows)."""
+        rows: list[int] = []
+        for i, item in enumerate(plan.items):
+            if item.want_all_logits or item.want_logits:
+                end = plan.offsets[i] + len(item.token_ids)
+                first = plan.offsets[i] if item.want_all_logits else end - 1
+                if item.want_all_logits:
+                    spans[i] = (len(rows), end - first)
+                if item.want_logits:
+                    out.last_rows[i] = len(rows) + end - 1 - first
+                rows.extend(range(first, end))
+        return _long(rows, self.device)
+
+    def _fused_weights(self) -> list[Tensor]:
+        """The weights in ``decoder_forward``'s order, with q/k/v and gate/up fused and every
+        product's matrix transposed; rebuilt when a weight changed (version counters, or
+        :meth:`weights_changed`)."""
+        model = self.model
+        versions = tuple(p._version for p in self._params)
+        if self._fused is not None and self._fused[0] == versions:
+            return self._fused[1]
+        none = torch.empty(0, dtype=self.dtype, device=self.device)
+        params = model.named_weights()
+        named = {name: t.detach() for name, t in params.items()}
+
+        def opt(name: str) -> Tensor:
+            return named.get(name, none)
+
+        def cat_t(*names: str) -> Tensor:
+            return torch.cat([named[n] for n in names]).t().contiguous()
+
+        out = [
+            named["model.embed_tokens.weight"],
+            named["model.norm.weight"],
+            model.lm_head_weight.detach().t().contiguous(),
+        ]
+        views = {id(model.lm_head_weight): out[2]}
+        cfg = self.config
+        q_cols, kv_cols = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for i in range(cfg.num_layers):
+            pre = f"model.layers.{i}."
+            attn, mlp = pre + "self_attn.", pre + "mlp."
+            qkv = [attn + f"{x}_proj" for x in "qkv"]
+            first = len(out)
+            out += [
+                named[pre + "input_layernorm.weight"],
+                cat_t(*(x + ".weight" for x in qkv)),
+                torch.cat([named[x + ".bias"] for x in qkv]) if qkv[0] + ".bias" in named else none,
+                opt(attn + "q_norm.weight"),
+                opt(attn + "k_norm.weight"),
+                named[attn + "o_proj.weight"].t().contiguous(),
+                opt(attn + "o_proj.bias"),
+                named[pre + "post_attention_layernorm.weight"],
+                cat_t(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                named[mlp + "down_proj.weight"].t().contiguous(),
+            ]
+            qkv_t, o_t, gate_up_t, down_t = (out[first + j] for j in (1, 5, 8, 9))
+            inter = gate_up_t.shape[1] // 2
+            for name, view in (
+                (qkv[0], qkv_t[:, :q_cols]),
+                (qkv[1], qkv_t[:, q_cols : q_cols + kv_cols]),
+                (qkv[2], qkv_t[:, q_cols + kv_cols :]),
+                (attn + "o_proj", o_t),
+                (mlp + "gate_proj", gate_up_t[:, :inter]),
+                (mlp + "up_proj", gate_up_t[:, inter:]),
+                (mlp + "down_proj", down_t),
+            ):
+                views[id(params[name + ".weight"])] = view
+        self._fused = (versions, out)
+        self._views = views
+        return out
+
     def log_softmax(self, logits: Tensor) -> Tensor:
         """fp32 log_softmax over the last dim of [n, vocab], by the sampler's arithmetic (the
         kernels' own with them), so a rescored token's logprob equals the sampled one."""
@@ -212,6 +369,50 @@ class ModelRunner:
         if self.kernels is not None and logits.device.type == "cpu":
             return self.kernels.log_softmax(logits.contiguous())
         return torch.log_softmax(logits, dim=-1)
+
+    def _decode_plan(self, items: Sequence[ForwardItem]) -> _Plan | None:
+        """The plan of a step made only of one-token decodes, built with a few list and numpy
+        operations instead of a loop per item; None for any other step, or when a check
+        fails (``_plan`` then raises the error that names the item)."""
+        ids = [it.token_ids for it in items]
+        if not ids or any(len(x) != 1 for x in ids):
+            return None
+        tokens = [x[0] for x in ids]
+        starts = [it.start_pos for it in items]
+        bs = self.block_size
+        if (
+            min(tokens) < 0
+            or max(tokens) >= self.config.vocab_size
+            or min(starts) < 0
+            or max(starts) >= self.config.max_position
+        ):
+            return None
+        width = max(starts) // bs + 1  # blocks the longest sequence attends over
+        flat: list[int] = []
+        for it, start in zip(items, starts, strict=True):
+            table = it.block_table
+            if len(table) * bs <= start:
+                return None
+            flat += table[:width]
+            if len(table) < width:
+                flat += [0] * (width - len(table))
+        n = len(items)
+        tables = np.fromiter(flat, dtype=np.int64, count=n * width).reshape(n, width)
+        if tables.min() < 0 or tables.max() >= self.num_blocks:
+            return None
+        positions = np.array(starts, dtype=np.int64)
+        slots = tables[np.arange(n), positions // bs] * bs + positions % bs
+        if len(set(slots.tolist())) != n:
+            return None
+        return _Plan(
+            token_ids=torch.from_numpy(np.array(tokens, dtype=np.int64)),
+            positions=torch.from_numpy(positions),
+            slots=torch.from_numpy(slots),
+            offsets=list(range(n)),
+            items=items,
+            all_decodes=True,
+            tables=torch.from_numpy(tables),
+        )
 
     def _plan(self, items: Sequence[ForwardItem]) -> _Plan:
         bs, vocab, limit = self.block_size, self.config.vocab_size, self.config.max_position
@@ -245,10 +446,16 @@ class ModelRunner:
             slots=_long(slots, dev),
             offsets=offsets,
             items=items,
+            all_decodes=len(tokens) == len(items),
         )
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        need = int(positions.max()) + 1
+        self._ensure_rope(int(positions.max()) + 1)
+        cos = self._cos.index_select(0, positions).to(self.dtype).unsqueeze(1)
+        return cos, self._sin.index_select(0, positions).to(self.dtype).unsqueeze(1)
+
+    def _ensure_rope(self, need: int) -> None:
+        """Extend the cos/sin tables to at least ``need`` positions."""
         while self._cos.shape[0] < need:
             start = self._cos.shape[0]
             pos = torch.arange(start, start + _ROPE_CHUNK, dtype=torch.float)
@@ -256,8 +463,6 @@ class ModelRunner:
             emb = torch.cat((freqs, freqs), dim=-1).to(self.device)
             self._cos = torch.cat((self._cos, emb.cos()))
             self._sin = torch.cat((self._sin, emb.sin()))
-        cos = self._cos.index_select(0, positions).to(self.dtype).unsqueeze(1)
-        return cos, self._sin.index_select(0, positions).to(self.dtype).unsqueeze(1)
 
     def _gather_index(self, table: Sequence[int], length: int) -> Tensor:
         """Cache slots of positions 0..length-1 of one sequence."""
@@ -293,18 +498,13 @@ class ModelRunner:
             self.v_cache[layer].index_copy_(0, idx, v[layer].to(self.device))
 
     def weight_t(self, weight: Tensor) -> Tensor:
-        """``weight.T`` as a contiguous copy, cached until the weights change: a write through
-        torch bumps the tensor's version counter, and every other write path (delta
-        updates write through numpy) calls :meth:`weights_changed`."""
-        hit = self._transposed.get(id(weight))
-        if hit is None or hit[0] is not weight or hit[1] != weight._version:
-            hit = (weight, weight._version, weight.detach().t().contiguous())
-            self._transposed[id(weight)] = hit
-        return hit[2]
+        """``weight.T`` as a view into the fused transposed copies of ``_fused_weights`` (its
+        columns of the fused QKV or gate/up matrix), current as of the last check there."""
+        return self._views[id(weight)]
 
     def weights_changed(self) -> None:
         """Drop what was derived from the weights (call after writing them in place)."""
-        self._transposed.clear()
+        self._fused = None
 
     def state_dict(self) -> dict[str, Tensor]:
         """The live weights under checkpoint names (aliases, not copies)."""
@@ -395,7 +595,8 @@ class _FastOps:
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.runner.transposed and x.dim() == 2:
             wt = self.runner.weight_t(weight)
-            return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+            assert self.kernels is not None  # transposed copies come with the kernels
+            return self.kernels.linear(x.contiguous(), wt, bias, 0)  # blocked brgemm products
         return F.linear(x, weight, bias)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
@@ -473,34 +674,18 @@ class _InvariantOps(_FastOps):
     {2, 3} and M >= 4, and elementwise transcendental ops round differently in the scalar tail
     than in the vector body.  So matmuls run on fixed tiles of ``invariant_tile`` rows
     (zero-padded), and each query row attends over exactly its own prefix, like a decode step
-    would.  With the C++ kernels (fp32, CPU) norms, SiLU, RoPE and attention are per-row by
-    construction (see ``csrc/cpu_kernels.cpp``) and attention is one call for every row;
-    without them norms run on the same tiles as matmuls, SiLU on fixed single-threaded chunks
-    padded to the vector width, and attention is one SDPA call per query row.
+    would; norms run on the same tiles as matmuls, SiLU on fixed single-threaded chunks padded
+    to the vector width, and attention is one SDPA call per query row.  (With the C++ kernels
+    the batch-invariant mode runs ``decoder_forward`` instead, invariant by construction.)
     """
 
     def __init__(self, runner: ModelRunner, plan: _Plan) -> None:
         self.runner, self.plan, self.tile = runner, plan, runner.invariant_tile
-        self.kernels = runner.kernels
-        dev = runner.device
-        if self.kernels is not None:
-            # every query row: its item's table row and its number of keys (its own prefix)
-            nb = max(
-                -(-(it.start_pos + len(it.token_ids)) // runner.block_size) for it in plan.items
-            )
-            self.tables = _padded([it.block_table for it in plan.items], nb, dev)
-            rows: list[int] = []
-            lens: list[int] = []
-            for i, it in enumerate(plan.items):
-                rows.extend([i] * len(it.token_ids))
-                lens.extend(range(it.start_pos + 1, it.start_pos + len(it.token_ids) + 1))
-            self.rows = _long(rows, dev)
-            self.lens = _long(lens, dev)
-        else:
-            self.gathers = [
-                runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
-                for it in plan.items
-            ]
+        self.kernels = None  # see the class doc
+        self.gathers = [
+            runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
+            for it in plan.items
+        ]
 
     def _tiled(self, fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
         m = x.shape[0]
@@ -516,8 +701,6 @@ class _InvariantOps(_FastOps):
         )
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.kernels is not None:
-            return super().silu_mul(gate, up)
         width = gate.shape[1]
         pad = -width % _VECTOR_ALIGN
         rows = max(1, _ELEMENTWISE_GRAIN // (width + pad))
@@ -525,15 +708,11 @@ class _InvariantOps(_FastOps):
         return self._tiled(act, gate, rows) * up
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        if self.kernels is not None:
-            return super().rms_norm(x, weight, eps)
         flat = x.reshape(-1, x.shape[-1])
         return self._tiled(lambda t: rms_norm(t, weight, eps), flat, self.tile).view(x.shape)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self._store(layer, k, v)
-        if self.kernels is not None:
-            return self._paged(q, kc, vc, self.tables, self.rows, self.lens)
         queries = q.unsqueeze(2)  # [T, heads, 1, hd]: one query row per call
         out: list[Tensor] = []
         for off, item, gather in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):

@@ -263,3 +263,104 @@ def test_uniform_is_the_samplers_own_draw(ext: ModuleType) -> None:
     got = ext.uniform(torch.from_numpy(bits), torch.tensor(steps))
     want = np.array([uniform(s, t) for s, t in zip(seeds, steps, strict=True)], dtype=np.float32)
     assert got.numpy().tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 128, 64), (7, 96, 160), (32, 128, 1024), (70, 600, 300), (3, 1100, 17)]
+)
+def test_linear_matches_torch(ext: ModuleType, m: int, k: int, n: int) -> None:
+    """The blocked products (several row, column and depth blocks in the larger shapes)."""
+    gen = torch.Generator().manual_seed(m * n)
+    x, wt, bias = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen), torch.randn(n)
+    assert torch.allclose(ext.linear(x, wt, None, 0), x @ wt, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(ext.linear(x, wt, bias, 0), x @ wt + bias, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_rows_do_not_depend_on_the_others_with_a_tile(ext: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, wt = torch.randn(64, 200, generator=gen), torch.randn(200, 300, generator=gen)
+    alone = torch.cat(
+        [ext.linear(F.pad(x[i : i + 1], (0, 0, 0, 31)), wt, None, 32)[:1] for i in range(64)]
+    )
+    assert torch.equal(ext.linear(x, wt, None, 32), alone)
+    with pytest.raises(RuntimeError, match="multiple of tile"):
+        ext.linear(x[:5], wt, None, 32)
+    with pytest.raises(RuntimeError, match=r"x must be \[m, k\]"):
+        ext.linear(x, wt.t().contiguous(), None, 0)
+
+
+def test_decoder_forward_refuses_bad_indexes_before_writing(ext: ModuleType) -> None:
+    """Only the refusals: its results are checked against transformers through the model
+    runner (tests/engine/test_model_runner.py), whose decode steps and batch-invariant
+    steps run on it."""
+    from agentroll.engine.model_runner import ForwardItem, ModelRunner
+    from agentroll.validate import ensure_tiny_model
+
+    runner = ModelRunner(ensure_tiny_model(), num_blocks=8, block_size=4)
+    plan = runner._plan([ForwardItem([1], 0, [0]), ForwardItem([2], 3, [1])])
+    ok = runner._forward_fused(plan).last_logits
+    assert set(ok) == {0, 1} and ok[0].shape == (runner.config.vocab_size,)
+    runner.k_cache[0].zero_()
+    weights = runner._fused_weights()
+    one = torch.tensor([0])
+
+    def call(tokens: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> None:
+        cfg = runner.config
+        ext.decoder_forward(
+            tokens,
+            one,
+            slots,
+            torch.tensor([[0]]),
+            one,
+            lens,
+            one,
+            runner._cos,
+            runner._sin,
+            weights,
+            runner.k_cache,
+            runner.v_cache,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            4,
+            cfg.rms_norm_eps,
+            runner.scale,
+            0,
+        )
+
+    with pytest.raises(RuntimeError, match="token id 5000"):
+        call(torch.tensor([5000]), one, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="slot 99"):
+        call(one, torch.tensor([99]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="lens"):
+        call(one, one, torch.tensor([9]))
+    with pytest.raises(RuntimeError, match=r"expected .* weights"):
+        ext.decoder_forward(
+            one,
+            one,
+            one,
+            torch.tensor([[0]]),
+            one,
+            one,
+            one,
+            runner._cos,
+            runner._sin,
+            weights[:-1],
+            runner.k_cache,
+            runner.v_cache,
+            2,
+            1,
+            4,
+            1e-6,
+            0.125,
+            0,
+        )
+    assert not runner.k_cache[0].any()
+
+
+def test_linear_takes_a_column_slice_of_a_fused_weight(ext: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, fused = torch.randn(9, 64, generator=gen), torch.randn(64, 96, generator=gen)
+    for cols in (slice(0, 32), slice(32, 48), slice(48, 96)):
+        assert torch.allclose(ext.linear(x, fused[:, cols], None, 0), x @ fused[:, cols], atol=1e-4)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ext.linear(x, fused.t().contiguous().t()[:, :10], None, 0)
