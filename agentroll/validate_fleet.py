@@ -194,18 +194,40 @@ async def _rolling_run(
     trainer = SyntheticTrainer(model, seed=2)
     env = _Probe(num_tasks=16)
     trajs: list[Trajectory] = []
-    # fewer slots than tasks: episodes keep starting during the syncs, on the newest version
-    config = probe_config(concurrency=8, seed=5)
+    # Fewer slots than tasks, and admissions tied to the syncs (not to timing: an episode
+    # takes well under a second with the CPU kernels): the first `slots` episodes start at
+    # once, sync k starts once those and the next (k - 1) * 3 have started, and later episodes
+    # wait for the syncs, 3 per sync, so some sample under every version.
+    slots, per_sync = 8, 3
+    config = probe_config(concurrency=slots, seed=5)
+    started = 0
+    progress = asyncio.Condition()
+    synced = 0
+
+    async def admit(_: int) -> None:  # called for one group at a time, in order
+        nonlocal started
+        need = 0 if started < slots else min(syncs, 1 + (started - slots) // per_sync)
+        async with progress:
+            await progress.wait_for(lambda: synced >= need)
+            started += 1
+            progress.notify_all()
+
     async with fleet, RolloutEngine(fleet, env, config) as engine:
 
         async def syncer() -> None:
-            for _ in range(syncs):
-                await asyncio.sleep(0.2)
+            nonlocal synced
+            for k in range(syncs):
                 update = await asyncio.to_thread(trainer.step)
+                enough = slots + k * per_sync
+                async with progress:
+                    await progress.wait_for(lambda: started >= enough)  # noqa: B023
                 await fleet.update(update, policies=engine.pauses.policies)
+                async with progress:
+                    synced += 1
+                    progress.notify_all()
 
         task = asyncio.create_task(syncer())
-        async for traj in engine.run():
+        async for traj in engine.run(admit=admit):
             trajs.append(traj)
         await task
     return trajs, fleet, backends
