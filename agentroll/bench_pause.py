@@ -132,14 +132,17 @@ async def _run(
         async with RolloutEngine(fleet, env, cfg, tokenizer=tokenizer) as engine:
             engine.pauses.policy = fixed_policy(policy)
 
+            # The updates are made up front (the trainer is another process in real runs):
+            # one made at its trigger would land well after it, when the engine may have
+            # finished every episode (a run takes well under a second on the tiny model).
+            updates = [await asyncio.to_thread(trainer.step) for _ in triggers]
+
             async def syncer() -> list[Any]:
                 """Sync whenever the fleet has streamed the next trigger's token count."""
                 done = []
-                for at in triggers:
+                for at, update in zip(triggers, updates, strict=True):
                     while fleet.stats.tokens < at:  # noqa: ASYNC110 - polls a counter
-                        await asyncio.sleep(0.002)
-                    # the trainer is another process in real runs: keep it off the loop
-                    update = await asyncio.to_thread(trainer.step)
+                        await asyncio.sleep(0.001)
                     done.append(await fleet.update(update, policies=engine.pauses.policies))
                 return done
 
