@@ -211,23 +211,46 @@ class Scheduler:
         def full() -> bool:
             return budget == 0 or len(out.scheduled) >= cfg.max_num_seqs
 
-        for is_decode in (True, False):
-            for seq in list(self.running):
-                if full():
-                    break
-                num_new = seq.num_uncomputed_tokens
-                if seq.status is not SequenceStatus.RUNNING or num_new == 0:
-                    continue  # preempted or rejected above, or idle
-                if (num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens) != is_decode:
-                    continue  # the other pass
-                if num_new > budget:
-                    if not self._may_chunk(seq):
-                        continue
-                    num_new = budget
-                if not self._reserve(seq, out):
+        running = SequenceStatus.RUNNING
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            num_new = len(seq.token_ids) - seq.num_computed_tokens
+            if num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decodes.append(seq)
+            elif num_new > 0:
+                prefills.append(seq)
+        # Decodes: one token each.  One whose blocks already hold all its tokens and that is
+        # within the context needs no block (the common case, inlined); any other goes
+        # through _reserve, which may preempt later arrivals (they are then skipped here by
+        # their status) or reject it.
+        bs, max_len = cfg.block_size, cfg.max_model_len
+        for seq in decodes:
+            if full():
+                break
+            if seq.status is not running:
+                continue  # preempted above
+            n = len(seq.token_ids)
+            if (len(seq.block_table) * bs < n or (max_len is not None and n > max_len)) and (
+                not self._reserve(seq, out)
+            ):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, 1, is_prefill=False))
+            budget -= 1
+        for seq in prefills:
+            if full():
+                break
+            if seq.status is not running:
+                continue  # preempted or rejected above
+            num_new = seq.num_uncomputed_tokens
+            if num_new > budget:
+                if not self._may_chunk(seq):
                     continue
-                out.scheduled.append(ScheduledSeq(seq, num_new, is_prefill=not is_decode))
-                budget -= num_new
+                num_new = budget
+            if not self._reserve(seq, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, num_new, is_prefill=True))
+            budget -= num_new
 
         while self.waiting and not full() and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -288,18 +311,20 @@ class Scheduler:
         since ``schedule`` are skipped; one paused meanwhile is updated."""
         finished: list[Sequence] = []
         max_len = self.config.max_model_len
+        bs = self.config.block_size
         for item in output.scheduled:
             seq = item.seq
             if not seq.block_table or seq.num_computed_tokens != item.start:
                 continue  # finished, preempted or made to recompute since schedule()
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.mark_computed(seq)
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled up
+                self.block_manager.mark_computed(seq)
             if not item.samples:
                 continue
             token_id = sampled.get(seq.seq_id)
             if token_id is not None and not seq.reached_max_tokens():  # max_tokens=0: scoring
-                seq.append_token(token_id)
-            if seq.reached_max_tokens() or (max_len is not None and seq.num_tokens >= max_len):
+                seq.token_ids.append(token_id)
+            if seq.reached_max_tokens() or (max_len is not None and len(seq.token_ids) >= max_len):
                 self._finish(seq, FinishReason.LENGTH)
                 finished.append(seq)
         return finished
