@@ -336,21 +336,25 @@ class LLMEngine:
         if out.is_empty:
             return outputs
         self.num_steps += 1
+        scheduled = out.scheduled
         items = [
             ForwardItem(
-                token_ids=s.seq.token_ids[s.start : s.start + s.num_new_tokens],
-                start_pos=s.start,
-                block_table=s.seq.block_table,
-                want_logits=s.samples,
+                s.seq.token_ids[s.start : s.start + s.num_new_tokens],
+                s.start,
+                s.seq.block_table,
+                s.samples,
             )
-            for s in out.scheduled
+            for s in scheduled
         ]
         fwd = self.runner.forward(items)
-        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
+        sampling = [i for i, s in enumerate(scheduled) if s.samples]
         sampled: dict[str, int] = {}
+        by_id: dict[str, StepOutput] = {}
         if sampling:
-            reqs = [self.requests[s.seq.seq_id] for _, s in sampling]
-            logits = fwd.last([i for i, _ in sampling])
+            seqs = [scheduled[i].seq for i in sampling]
+            requests = self.requests
+            reqs = [requests[seq.seq_id] for seq in seqs]
+            logits = fwd.last(sampling)
             # the random number of a token is a function of (seed, step): see sampler.py
             tokens, logprobs = sample(
                 logits,
@@ -360,16 +364,17 @@ class LLMEngine:
                 self.runner.kernels,
             )
             version = self.policy_version
-            for (_, s), req, token, lp in zip(sampling, reqs, tokens, logprobs, strict=True):
-                sampled[s.seq.seq_id] = token
+            for seq, req, token, lp in zip(seqs, reqs, tokens, logprobs, strict=True):
+                seq_id = seq.seq_id
+                sampled[seq_id] = token
                 req.logprobs.append(lp)
-                outputs.append(StepOutput(s.seq.seq_id, token, lp, version, s.seq.min_kv_version))
-        by_id = {o.request_id: o for o in outputs if o.token_id is not None}
+                by_id[seq_id] = o = StepOutput(seq_id, token, lp, version, seq.min_kv_version)
+                outputs.append(o)
         for seq in sched.postprocess(out, sampled):
             self._end(by_id, seq.seq_id, "length")
-        for seq_id, token in sampled.items():
-            live = self.requests.get(seq_id)
-            if live is not None and (token in live.stop_ids or self._hit_stop_string(live)):
+        for (seq_id, token), req in zip(sampled.items(), reqs if sampling else (), strict=True):
+            live = seq_id in self.requests  # not ended by postprocess
+            if live and (token in req.stop_ids or (req.params.stop and self._hit_stop_string(req))):
                 sched.finish(seq_id, FinishReason.STOP)
                 self._end(by_id, seq_id, "stop")
         return outputs
