@@ -200,3 +200,41 @@ def test_every_weight_update_path_reaches_the_computation(tiny_model: Path, path
     after = logits(engine)
     assert not torch.equal(after, before)
     assert torch.equal(after, logits(fresh))
+    # decodes too (with the kernels they run in decoder_forward, over its own fused copies)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    sampled = [
+        [(o.token_id, o.logprob) for o in run(e, {"d": (prompt, params)})["d"]]
+        for e in (engine, fresh)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_decode_steps_run_the_whole_model_in_one_kernel_call(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the kernels, a step of decodes only is one ``decoder_forward`` call; a step with
+    a prefill is not (fast mode), and in the batch-invariant mode every step is."""
+    from agentroll.engine import kernels
+    from agentroll.engine.model_runner import ModelRunner
+
+    if kernels.get() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    calls: list[bool] = []
+    fused = ModelRunner._forward_fused
+
+    def counted(self: ModelRunner, plan: object) -> object:
+        calls.append(plan.all_decodes)  # type: ignore[attr-defined]
+        return fused(self, plan)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelRunner, "_forward_fused", counted)
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=1, ignore_eos=True)
+    for invariant in (False, True):
+        calls.clear()
+        e = LLMEngine(EngineConfig(model=str(tiny_model), batch_invariant=invariant))
+        out = run(e, {"a": (list(range(40, 60)), params), "b": (list(range(7, 9)), params)})
+        assert [len(v) for v in out.values()] == [5, 5]
+        steps = e.num_steps
+        if invariant:
+            assert len(calls) == steps and not calls[0]  # the first step prefills
+        else:
+            assert calls == [True] * (steps - 1)  # all but the prefill step
