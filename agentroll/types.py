@@ -206,8 +206,10 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False):
 
     def min_policy_version(self) -> int:
         """Oldest policy version among sampled tokens (-1 if nothing was sampled)."""
-        gen = self.policy_version[self.loss_mask.astype(bool)]
-        return int(gen.min()) if len(gen) else -1
+        # a masked reduction over a bool view of the 0/1 mask: no temporary arrays
+        top = np.iinfo(self.policy_version.dtype).max
+        low = int(self.policy_version.min(where=self.loss_mask.view(bool), initial=top))
+        return -1 if low == top else low
 
 
 # -- wire encoding ---------------------------------------------------------------------------
@@ -217,7 +219,9 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.byteorder == ">":
             obj = obj.astype(obj.dtype.newbyteorder("<"))
-        return {"dtype": obj.dtype.str, "data": np.ascontiguousarray(obj).tobytes()}
+        # the array's own bytes (msgspec copies them into its output once; tobytes() was a
+        # second full copy of every trajectory's arrays)
+        return {"dtype": obj.dtype.str, "data": np.ascontiguousarray(obj).data.cast("B")}
     if isinstance(obj, np.generic):
         return obj.item()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -439,7 +440,7 @@ class TrajectoryStream:
             self.counters["delivered"] += len(lease.trajectories)
         return lease
 
-    def lease_body(self, lease: Lease, head: bytes) -> bytearray:
+    def lease_body(self, lease: Lease, head: bytes) -> np.ndarray:
         """``head``, then the stored msgpack of each leased trajectory (read back from the
         spool, not re-encoded; one acknowledged meanwhile is encoded again)."""
         by_id = {t.id: t for t in lease.trajectories}
@@ -669,7 +670,7 @@ def stream_app(
         # transport buffer what the socket does not take at once without copying it first
         prefix = msgspec.msgpack.encode(_RawLeaseBatch(**head, trajectories=[]))
         prefix = prefix[:-1] + _msgpack_array_header(len(got.trajectories))
-        return Response(memoryview(stream.lease_body(got, prefix)), media_type=MSGPACK)
+        return Response(stream.lease_body(got, prefix).data, media_type=MSGPACK)
 
     async def ack(request: Request) -> Response:
         body = await _read_body(request, config.max_body_bytes)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import xxhash
 
 from agentroll.errors import ConfigError
@@ -635,8 +636,10 @@ class Spool:
 
     def read_payloads(
         self, ids: Sequence[str], head: bytes, fallback: Callable[[str], bytes]
-    ) -> bytearray:
-        """``head``, then the stored payload of each of ``ids`` in order, in one new buffer:
+    ) -> np.ndarray:
+        """``head``, then the stored payload of each of ``ids`` in order, in one new buffer
+        (a uint8 array: unlike a bytearray it is not zero-filled first, a 9 MB memset per
+        lease):
         read back from the segment files (the page cache, for records written recently)
         with one ``preadv`` per run of nearby records, so the payloads need not be kept in
         memory.  An id that is not pending (acknowledged meanwhile) is filled in with
@@ -649,8 +652,8 @@ class Spool:
             total = len(head) + sum(
                 loc[2] if loc is not None else len(extra[i]) for i, loc in enumerate(where)
             )
-            out = bytearray(total)
-            view = memoryview(out)
+            out = np.empty(total, np.uint8)  # not zero-filled: every byte is written below
+            view = out.data
             view[: len(head)] = head
             pos, i, scratch = len(head), 0, bytearray(_READ_GAP)
             while i < len(where):
