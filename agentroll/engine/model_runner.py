@@ -3,11 +3,12 @@
 It owns the paged KV cache (per layer, K and V of shape [num_blocks, block_size, kv_heads,
 head_dim]) and runs one forward step over sequences given as plain records: new tokens, the
 number already cached and a block table of ints.  For fp32 on the CPU it uses the engine's C++
-kernels (``kernels.py``): a step made only of decodes, and every step in the batch-invariant
-mode, is one call of their ``decoder_forward`` (the whole model in C++, over fused QKV and
-gate/up weights transposed once, products by oneDNN's brgemm micro-kernels); other steps run
-the model layer by layer with the kernels' norms, SiLU, RoPE, K/V writes, paged attention and
-products on views of the same transposed copies, and SDPA for prefills.  Everywhere else
+kernels (``kernels.py``): a step of decodes and short prefill chunks, and every step in the
+batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in C++, over
+fused QKV and gate/up weights transposed once, products by oneDNN's brgemm micro-kernels);
+steps with long prefills run the model layer by layer with the kernels' norms, SiLU, RoPE,
+K/V writes, paged attention and products on views of the same transposed copies, and SDPA
+for the prefills.  Everywhere else
 (other dtypes, CUDA, no compiler) it runs torch ops.
 
 Invariants: K/V of position p live in block ``block_table[p // block_size]`` at slot
@@ -51,6 +52,12 @@ _ROPE_CHUNK = 1024  # RoPE tables are computed in fixed chunks so values never d
 # (2-2.5x MKL's sgemm on 32 rows here, see csrc/cpu_kernels.cpp).  The copies double the
 # weights' memory, so only up to this size; bigger models run torch's products.
 _TRANSPOSED_MAX_BYTES = 1 << 30
+# Outside the batch-invariant mode a step runs in decoder_forward when its prefill chunks are
+# short: their rows attend row by row there, about 11 ns a key per row here, against SDPA's
+# matrix products on the layer-by-layer path.  A step of 31 decodes and a 40-token chunk at
+# position 300 (12.8k keys) took 712 us that way against 958 layer by layer; at this bound a
+# layer's prefill attention stays under about 0.7 ms.
+_FUSED_PREFILL_KEYS = 65536
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x (one per decode)
@@ -99,6 +106,8 @@ class _Plan:
     items: Sequence[ForwardItem]
     all_decodes: bool  # every item computes one token
     tables: Tensor | None = None  # [items, blocks] block tables (decode plans build it)
+    # keys the rows of multi-token items attend to, summed: their attention's size
+    prefill_keys: int = 0
 
 
 def _long(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> Tensor:
@@ -197,7 +206,7 @@ class ModelRunner:
         plan = self._decode_plan(items) if self.transposed else None
         if plan is None:
             plan = self._plan(items)
-        if self.transposed and (self.batch_invariant or plan.all_decodes):
+        if self.transposed and (self.batch_invariant or plan.prefill_keys <= _FUSED_PREFILL_KEYS):
             return self._forward_fused(plan)
         ops: _FastOps = (_InvariantOps if self.batch_invariant else _FastOps)(self, plan)
         cos, sin = self._rope(plan.positions)
@@ -227,8 +236,9 @@ class ModelRunner:
         """The step as one call of the kernels' ``decoder_forward``: the whole model in C++
         over fused QKV and gate/up weights, every query row attending over the paged cache by
         its own length.  Used for fp32 on the CPU in the batch-invariant mode (where products
-        run on fixed tiles) and, otherwise, for steps made only of decodes (prefills take the
-        SDPA path, which is faster on long prompts than attending row by row)."""
+        run on fixed tiles) and, otherwise, for steps whose prefill chunks are short
+        (``_FUSED_PREFILL_KEYS``; long prefills take the SDPA path, faster there than
+        attending row by row)."""
         assert self.kernels is not None
         items, bs, n = plan.items, self.block_size, len(plan.items)
         positions = plan.positions.numpy()
@@ -420,6 +430,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []
+        prefill_keys = 0
         for i, item in enumerate(items):
             ids, start, table = item.token_ids, item.start_pos, item.block_table
             end = start + len(ids)
@@ -434,6 +445,8 @@ class ModelRunner:
             if min(table) < 0 or max(table) >= self.num_blocks:
                 raise ValueError(f"item {i}: block id outside [0, {self.num_blocks})")
             offsets.append(len(tokens))
+            if len(ids) > 1:
+                prefill_keys += len(ids) * (start + (len(ids) + 1) // 2)
             tokens.extend(ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -447,6 +460,7 @@ class ModelRunner:
             offsets=offsets,
             items=items,
             all_decodes=len(tokens) == len(items),
+            prefill_keys=prefill_keys,
         )
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:

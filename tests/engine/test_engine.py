@@ -212,10 +212,11 @@ def test_every_weight_update_path_reaches_the_computation(tiny_model: Path, path
 def test_decode_steps_run_the_whole_model_in_one_kernel_call(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the kernels, a step of decodes only is one ``decoder_forward`` call; a step with
-    a prefill is not (fast mode), and in the batch-invariant mode every step is."""
+    """With the kernels, a step of decodes and short prefill chunks is one ``decoder_forward``
+    call; a step with a long prefill is not (fast mode), and in the batch-invariant mode
+    every step is."""
     from agentroll.engine import kernels
-    from agentroll.engine.model_runner import ModelRunner
+    from agentroll.engine.model_runner import _FUSED_PREFILL_KEYS, ModelRunner
 
     if kernels.get() is None:
         pytest.skip("the CPU kernels could not be built here")
@@ -228,13 +229,20 @@ def test_decode_steps_run_the_whole_model_in_one_kernel_call(
 
     monkeypatch.setattr(ModelRunner, "_forward_fused", counted)
     params = SamplingParams(temperature=1.0, max_tokens=5, seed=1, ignore_eos=True)
-    for invariant in (False, True):
+    short = {"a": (list(range(40, 60)), params), "b": (list(range(7, 9)), params)}
+    long = [t % 900 + 10 for t in range(400)]  # 400 x 200 keys: over the bound
+    assert _FUSED_PREFILL_KEYS < 400 * 200
+    for invariant, requests, fused_steps in [
+        (False, short, "all"),
+        (False, {"c": (long, params)}, "all but the first"),
+        (True, {"c": (long, params)}, "all"),
+    ]:
         calls.clear()
         e = LLMEngine(EngineConfig(model=str(tiny_model), batch_invariant=invariant))
-        out = run(e, {"a": (list(range(40, 60)), params), "b": (list(range(7, 9)), params)})
-        assert [len(v) for v in out.values()] == [5, 5]
+        out = run(e, requests)
+        assert all(len(v) == 5 for v in out.values())
         steps = e.num_steps
-        if invariant:
+        if fused_steps == "all":
             assert len(calls) == steps and not calls[0]  # the first step prefills
         else:
-            assert calls == [True] * (steps - 1)  # all but the prefill step
+            assert calls == [True] * (steps - 1)
