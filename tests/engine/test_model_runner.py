@@ -350,3 +350,35 @@ def test_bad_items_are_refused_before_any_write(tiny: Path) -> None:
         runner.forward([ForwardItem([1], 0, [0]), ForwardItem([2], 0, [0])])
     assert all(not c.any() for c in runner.k_cache)
     assert runner.forward([]).last_logits == {}
+
+
+def test_the_vectorised_decode_plan_equals_the_general_one(tiny: Path) -> None:
+    """``_decode_plan`` (decode-only steps, with the kernels) builds the same token ids,
+    positions, slots and tables as ``_plan``, and gives way to it for anything else."""
+    runner = ModelRunner(tiny, num_blocks=64, block_size=4)
+    if not runner.transposed:
+        pytest.skip("the decode plan is used with the CPU kernels only")
+    rng = random.Random(3)
+    for _ in range(50):
+        items = []
+        for _ in range(rng.randint(1, 12)):
+            start = rng.randint(0, 30)
+            table = rng.sample(range(64), start // 4 + 1 + rng.randint(0, 3))
+            items.append(ForwardItem([rng.randrange(1024)], start, table))
+        slots = [it.block_table[it.start_pos // 4] * 4 + it.start_pos % 4 for it in items]
+        fast = runner._decode_plan(items)
+        if len(set(slots)) < len(slots):  # two items on one KV slot: refused either way
+            assert fast is None
+            continue
+        assert fast is not None and fast.all_decodes and fast.tables is not None
+        slow = runner._plan(items)
+        for name in ("token_ids", "positions", "slots"):
+            assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+        width = fast.tables.shape[1]
+        assert width == max(it.start_pos for it in items) // 4 + 1
+        for row, it in zip(fast.tables.tolist(), items, strict=True):
+            n = min(width, len(it.block_table))
+            assert row[:n] == it.block_table[:n] and not any(row[n:])
+    prefill = [ForwardItem([1, 2], 0, [0]), ForwardItem([3], 4, [1, 2])]
+    assert runner._decode_plan(prefill) is None
+    assert runner._decode_plan([ForwardItem([5000], 0, [0])]) is None  # _plan names it
