@@ -119,24 +119,6 @@ inline float row_max(const float* x, int64_t v) {
   return top;
 }
 
-// dot() over a length fixed at compile time.  With AVX-512 and D a multiple of 32: two vector
-// accumulators summed by a shuffle tree (g++ sums an `omp simd` reduction's lanes one by one,
-// a 16-deep chain of dependent scalar adds that made attention's scores 2x slower).  The
-// order of the sums depends only on D.
-template <int64_t D>
-inline float dot_fixed(const float* a, const float* b) {
-#if defined(__AVX512F__)
-  if constexpr (D > 0 && D % 32 == 0) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32) {
-      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + c + 16), _mm512_loadu_ps(b + c + 16), acc1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  }
-#endif
-  return dot(a, b, D);
-}
 
 }  // namespace
 
@@ -290,7 +272,8 @@ struct AttendRow {
 #if defined(__AVX512F__)
 // s[0..count) = scale * q . key(j) for count <= 4 keys (missing ones computed as zeros and not
 // stored): one vector accumulator per key, then the four summed by one transposing shuffle
-// tree instead of a horizontal reduction each.  Every key's sum runs the same operations in
+// tree instead of a horizontal reduction each (g++ sums an `omp simd` reduction's lanes one by
+// one, a chain of dependent scalar adds that made attention's scores 2x slower).  Every key's sum runs the same operations in
 // the same order, whatever its place among the four or the count.
 template <int64_t D>
 inline void dot4(const float* q, const float* const* keys, int64_t count, float scale, float* s) {
