@@ -126,6 +126,33 @@ def _padded(tables: Sequence[Sequence[int]], width: int, device: torch.device) -
     return torch.from_numpy(out).to(device)
 
 
+def _logit_rows(plan: _Plan) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """The rows whose logits the items want, in item order, and for each such item its span
+    in them: (first row, number of rows) -- all its rows, or just its last."""
+    rows: list[int] = []
+    spans: dict[int, tuple[int, int]] = {}
+    for i, item in enumerate(plan.items):
+        if item.want_all_logits or item.want_logits:
+            end = plan.offsets[i] + len(item.token_ids)
+            first = plan.offsets[i] if item.want_all_logits else end - 1
+            spans[i] = (len(rows), end - first)
+            rows.extend(range(first, end))
+    return rows, spans
+
+
+def _output(
+    items: Sequence[ForwardItem], logits: Tensor, spans: dict[int, tuple[int, int]]
+) -> ForwardOutput:
+    """``logits`` (the rows of ``_logit_rows``) as the items asked for them."""
+    out = ForwardOutput(logits=logits)
+    for i, (at, n) in spans.items():
+        if items[i].want_all_logits:
+            out.all_logits[i] = logits[at : at + n]
+        if items[i].want_logits:
+            out.last_rows[i] = at + n - 1
+    return out
+
+
 class ModelRunner:
     """A decoder plus its paged KV cache; ``forward`` runs one continuous-batching step.
 
@@ -201,38 +228,26 @@ class ModelRunner:
         out = ForwardOutput()
         if not items:
             return out
-        if self.transposed:
-            self._fused_weights()  # rebuilt if a weight changed; weight_t reads its views
+        # rebuilt if a weight changed; weight_t (the layer-by-layer path) reads its views
+        weights = self._fused_weights() if self.transposed else None
         plan = self._decode_plan(items) if self.transposed else None
         if plan is None:
             plan = self._plan(items)
-        if self.transposed and (self.batch_invariant or plan.prefill_keys <= _FUSED_PREFILL_KEYS):
-            return self._forward_fused(plan)
+        if weights is not None and (
+            self.batch_invariant or plan.prefill_keys <= _FUSED_PREFILL_KEYS
+        ):
+            return self._forward_fused(plan, weights)
         ops: _FastOps = (_InvariantOps if self.batch_invariant else _FastOps)(self, plan)
         cos, sin = self._rope(plan.positions)
         hidden = self.model(plan.token_ids, cos, sin, ops)
-        rows: list[int] = []
-        spans: dict[int, tuple[int, int]] = {}  # item -> (first row in logits, number of rows)
-        for i, item in enumerate(items):
-            end = plan.offsets[i] + len(item.token_ids)
-            if item.want_all_logits or item.want_logits:
-                first = plan.offsets[i] if item.want_all_logits else end - 1
-                spans[i] = (len(rows), end - first)
-                rows.extend(range(first, end))
+        rows, spans = _logit_rows(plan)
         if not rows:
             return out
         if len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, _long(rows, self.device))
-        logits = self.model.logits(hidden, ops).float()
-        out.logits = logits
-        for i, (at, n) in spans.items():
-            if items[i].want_all_logits:
-                out.all_logits[i] = logits[at : at + n]
-            if items[i].want_logits:
-                out.last_rows[i] = at + n - 1
-        return out
+        return _output(items, self.model.logits(hidden, ops).float(), spans)
 
-    def _forward_fused(self, plan: _Plan) -> ForwardOutput:
+    def _forward_fused(self, plan: _Plan, weights: list[Tensor]) -> ForwardOutput:
         """The step as one call of the kernels' ``decoder_forward``: the whole model in C++
         over fused QKV and gate/up weights, every query row attending over the paged cache by
         its own length.  Used for fp32 on the CPU in the batch-invariant mode (where products
@@ -243,19 +258,17 @@ class ModelRunner:
         items, bs, n = plan.items, self.block_size, len(plan.items)
         positions = plan.positions.numpy()
         lens = positions + 1
-        out = ForwardOutput()
-        spans: dict[int, tuple[int, int]] = {}  # item -> (first row in logits, rows)
+        spans: dict[int, tuple[int, int]] | None = None  # None: every row's logits, in order
         if plan.all_decodes:
             rows = self._arange(n)
-            if all(it.want_logits and not it.want_all_logits for it in items):
-                logit_rows = rows
-                out.last_rows = {i: i for i in range(n)}
-            else:
-                logit_rows = self._logit_rows(plan, out, spans)
         else:
             counts = [len(it.token_ids) for it in items]
             rows = torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), counts))
-            logit_rows = self._logit_rows(plan, out, spans)
+        if plan.all_decodes and all(it.want_logits and not it.want_all_logits for it in items):
+            logit_rows = rows
+        else:
+            wanted, spans = _logit_rows(plan)
+            logit_rows = _long(wanted, self.device)
         tables = plan.tables
         if tables is None:
             tables = _padded(
@@ -273,7 +286,7 @@ class ModelRunner:
             logit_rows,
             self._cos,
             self._sin,
-            self._fused_weights(),
+            weights,
             self.k_cache,
             self.v_cache,
             cfg.num_heads,
@@ -283,35 +296,15 @@ class ModelRunner:
             self.scale,
             self.invariant_tile if self.batch_invariant else 0,
         )
-        if len(logit_rows) == 0:
-            return ForwardOutput()
-        out.logits = logits
-        for i, (at, count) in spans.items():
-            out.all_logits[i] = logits[at : at + count]
-        return out
+        if spans is None:  # the common decode step: row i is item i's
+            return ForwardOutput(logits=logits, last_rows={i: i for i in range(n)})
+        return _output(items, logits, spans) if spans else ForwardOutput()
 
     def _arange(self, n: int) -> Tensor:
         """0 .. n-1 as int64 (a view of a cached range)."""
         if self._range.shape[0] < n:
             self._range = torch.arange(max(n, 2 * self._range.shape[0]), device=self.device)
         return self._range[:n]
-
-    def _logit_rows(
-        self, plan: _Plan, out: ForwardOutput, spans: dict[int, tuple[int, int]]
-    ) -> Tensor:
-        """The rows whose logits the items want, in item order; fills ``out.last_rows`` and,
-        for items wanting all their rows, ``spans`` (item -> first row, number of rows)."""
-        rows: list[int] = []
-        for i, item in enumerate(plan.items):
-            if item.want_all_logits or item.want_logits:
-                end = plan.offsets[i] + len(item.token_ids)
-                first = plan.offsets[i] if item.want_all_logits else end - 1
-                if item.want_all_logits:
-                    spans[i] = (len(rows), end - first)
-                if item.want_logits:
-                    out.last_rows[i] = len(rows) + end - 1 - first
-                rows.extend(range(first, end))
-        return _long(rows, self.device)
 
     def _fused_weights(self) -> list[Tensor]:
         """The weights in ``decoder_forward``'s order, with q/k/v and gate/up fused and every

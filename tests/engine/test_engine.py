@@ -223,9 +223,9 @@ def test_decode_steps_run_the_whole_model_in_one_kernel_call(
     calls: list[bool] = []
     fused = ModelRunner._forward_fused
 
-    def counted(self: ModelRunner, plan: object) -> object:
+    def counted(self: ModelRunner, plan: object, weights: object) -> object:
         calls.append(plan.all_decodes)  # type: ignore[attr-defined]
-        return fused(self, plan)  # type: ignore[arg-type]
+        return fused(self, plan, weights)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ModelRunner, "_forward_fused", counted)
     params = SamplingParams(temperature=1.0, max_tokens=5, seed=1, ignore_eos=True)

@@ -298,7 +298,7 @@ def test_decoder_forward_refuses_bad_indexes_before_writing(ext: ModuleType) -> 
 
     runner = ModelRunner(ensure_tiny_model(), num_blocks=8, block_size=4)
     plan = runner._plan([ForwardItem([1], 0, [0]), ForwardItem([2], 3, [1])])
-    ok = runner._forward_fused(plan).last_logits
+    ok = runner._forward_fused(plan, runner._fused_weights()).last_logits
     assert set(ok) == {0, 1} and ok[0].shape == (runner.config.vocab_size,)
     runner.k_cache[0].zero_()
     weights = runner._fused_weights()
