@@ -705,6 +705,18 @@ void add_bias(float* out, int64_t stride, const float* bias, int64_t rows, int64
   }
 }
 
+bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// out = x @ w (+ bias), or out += x @ w (+ bias) when accumulating: x [m, k] contiguous, w
+// [k, n] with contiguous rows (row stride w.stride(0)), out [m, n] contiguous.
+void linear_into(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w,
+                 const torch::Tensor& bias, int64_t tile, bool accumulate = false) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
+  gemm(x.data_ptr<float>(), k, w.data_ptr<float>(), w.stride(0), out.data_ptr<float>(), n, m, n,
+       k, accumulate, tile);
+  if (present(bias)) add_bias(out.data_ptr<float>(), n, bias.data_ptr<float>(), m, n);
+}
+
 }  // namespace
 
 // x [m, k] @ wt [k, n] (+ bias [n]): a linear layer over its transposed weight, by the
@@ -720,7 +732,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wt,
               "x must be [m, k] and wt [k, n], got ", x.sizes(), " and ", wt.sizes());
   TORCH_CHECK(wt.stride(1) == 1 && wt.stride(0) >= wt.size(1),
               "wt must have contiguous rows (a transposed weight, or a column slice of one)");
-  const int64_t m = x.size(0), k = x.size(1), n = wt.size(1);
+  const int64_t m = x.size(0), n = wt.size(1);
   TORCH_CHECK(tile >= 0 && (tile == 0 || m % tile == 0), "rows (", m,
               ") must be a multiple of tile (", tile, ")");
   if (bias.has_value()) {
@@ -728,9 +740,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& wt,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [", n, "]");
   }
   auto out = torch::empty({m, n}, x.options());
-  gemm(x.data_ptr<float>(), k, wt.data_ptr<float>(), wt.stride(0), out.data_ptr<float>(), n, m,
-       n, k, false, tile);
-  if (bias.has_value()) add_bias(out.data_ptr<float>(), n, bias->data_ptr<float>(), m, n);
+  linear_into(out, x, wt, bias.value_or(torch::Tensor()), tile);
   return out;
 }
 
@@ -753,8 +763,6 @@ enum LayerWeight : int64_t {
   kPerLayer
 };
 
-bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
-
 void check_weight(const torch::Tensor& t, const char* name, int64_t layer,
                   std::initializer_list<int64_t> shape) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == torch::kFloat32 &&
@@ -766,20 +774,6 @@ void check_weight(const torch::Tensor& t, const char* name, int64_t layer,
 
 void check_optional(const torch::Tensor& t, const char* name, int64_t layer, int64_t n) {
   if (present(t)) check_weight(t, name, layer, {n});
-}
-
-// out = x @ w (+ bias), and h += x @ w (+ bias): products over a step's rows (see gemm).
-void linear_into(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& w,
-                 const torch::Tensor& bias, int64_t tile, bool accumulate = false) {
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(1);
-  gemm(x.data_ptr<float>(), k, w.data_ptr<float>(), n, out.data_ptr<float>(), n, m, n, k,
-       accumulate, tile);
-  if (present(bias)) add_bias(out.data_ptr<float>(), n, bias.data_ptr<float>(), m, n);
-}
-
-void add_linear(torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& w,
-                const torch::Tensor& bias, int64_t tile) {
-  linear_into(h, x, w, bias, tile, true);
 }
 
 }  // namespace
@@ -794,7 +788,7 @@ void add_linear(torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& w
 //   rows[t] of tables [R, NB] (so a prefill chunk is causal by its lens).
 //   cos, sin [P, hd]: RoPE angles by position.  weights: see ModelWeight / LayerWeight.
 //   tile > 0: every product runs on tiles of that many rows (zero-padded), the batch-invariant
-//   mode; 0: one product over all rows.
+//   mode; 0: on gemm's own row blocks.
 // Every row is computed on its own by the same loops as the kernels above; products are the
 // only cross-row operations and their rounding depends on the tile shape alone when tile > 0.
 // Indexes and shapes are checked before anything is written.
@@ -923,12 +917,12 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
     store_kv_rows(kp, vp, qkv_n, kc, vc, kv_row, sl, t);
     attention_rows(qp, qkv_n, attn.data_ptr<float>(), h * hd, kc, vc, tp, nb, rp, lp, t, h, kvh,
                    hd, block_size, fscale);
-    add_linear(hidden, attn, w[kOT], w[kOBias], tile);
+    linear_into(hidden, attn, w[kOT], w[kOBias], tile, true);  // the residual add
     rms_norm_rows(hp, d, w[kPostNorm].data_ptr<float>(), xp, d, t, d, feps);
     linear_into(gate_up, x, w[kGateUpT], torch::Tensor(), tile);
     const float* gp = gate_up.data_ptr<float>();
     silu_mul_rows(gp, gp + inter, 2 * inter, act.data_ptr<float>(), inter, t, inter);
-    add_linear(hidden, act, w[kDownT], torch::Tensor(), tile);
+    linear_into(hidden, act, w[kDownT], torch::Tensor(), tile, true);
   }
   // the final norm of the rows whose logits are wanted, then the head
   const int64_t n_pad = tile > 0 ? (n_logits + tile - 1) / tile * tile : n_logits;
