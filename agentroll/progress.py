@@ -60,11 +60,12 @@ class Progress:
             self._bar.start()
             self._task = self._bar.add_task(description, total=total, failed=0)
 
-    def advance(self, *, failed: bool = False) -> None:
-        self.done += 1
-        self.failed += failed
+    def advance(self, n: int = 1, *, failed: bool = False) -> None:
+        """``n`` more items done (all of them failed ones with ``failed``)."""
+        self.done += n
+        self.failed += n if failed else 0
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, failed=self.failed)  # type: ignore[arg-type]
+            self._bar.update(self._task, advance=n, failed=self.failed)  # type: ignore[arg-type]
         elif self.mode == "log":
             now = time.monotonic()
             if now - self._last >= self.interval:

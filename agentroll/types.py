@@ -4,7 +4,10 @@ Invariants:
 - every record round-trips losslessly through msgpack and JSON (NaN logprobs included);
 - per-token arrays of a Trajectory are numpy arrays of fixed dtype and are encoded as packed
   little-endian bytes (base64 inside JSON), never element by element;
-- nothing here is pickled and nothing here does I/O.
+- nothing here is pickled and nothing here does I/O;
+- a Trajectory and what it holds (Turn, Message, ToolCall, ToolResult) form a tree: these
+  types are ``gc=False`` (the cyclic GC never walks them: a lease decodes thousands at a
+  time), so a record must never be stored inside itself (it would leak, not crash).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
-class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """A call the model asked for; ``arguments`` is the decoded JSON object."""
 
     id: str
@@ -43,7 +46,7 @@ class ToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     arguments: dict[str, Any] = {}
 
 
-class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One chat message in OpenAI shape (role system/user/assistant/tool)."""
 
     role: str
@@ -114,7 +117,7 @@ class ExecResult(msgspec.Struct, kw_only=True):
         return self.exit_code == 0 and not self.timed_out
 
 
-class ToolResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ToolResult(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """What a tool call returned to the model; ``error`` names the failure kind if any."""
 
     call_id: str
@@ -124,7 +127,7 @@ class ToolResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     duration: float = 0.0
 
 
-class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Turn(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One model turn.  ``[gen_start, gen_end)`` are the sampled tokens, ``[gen_end, env_end)``
     the environment's reply rendered after it (tool results or feedback)."""
 
@@ -146,7 +149,7 @@ def _empty(name: str) -> Any:
     return msgspec.field(default_factory=lambda: np.zeros(0, TOKEN_ARRAY_DTYPES[name]))
 
 
-class Trajectory(msgspec.Struct, kw_only=True, eq=False):
+class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
     """A finished episode with per-token provenance.
 
     Per token: ``token_ids``, ``logprobs`` (NaN where not generated), ``loss_mask`` (1 exactly

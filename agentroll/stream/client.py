@@ -445,7 +445,9 @@ def _wire_types(data: type) -> tuple[type, type]:
     """Mirror structs of ``Trajectory`` and ``LeaseBatch`` whose per-token arrays decode as
     ``{dtype, data}`` with ``data`` of type ``data`` (derived from the fields of
     ``Trajectory``, so they cannot drift from it)."""
-    array = msgspec.defstruct(f"_WireArray_{data.__name__}", [("dtype", str), ("data", data)])
+    array = msgspec.defstruct(
+        f"_WireArray_{data.__name__}", [("dtype", str), ("data", data)], gc=False
+    )
     hints = typing.get_type_hints(Trajectory)
     fields: list[Any] = []
     for f in msgspec.structs.fields(Trajectory):
@@ -458,7 +460,7 @@ def _wire_types(data: type) -> tuple[type, type]:
             fields.append((f.name, typ, msgspec.field(default_factory=f.default_factory)))
         else:
             fields.append((f.name, typ, f.default))
-    traj = msgspec.defstruct(f"_WireTrajectory_{data.__name__}", fields, kw_only=True)
+    traj = msgspec.defstruct(f"_WireTrajectory_{data.__name__}", fields, kw_only=True, gc=False)
     batch = msgspec.defstruct(
         f"_WireLeaseBatch_{data.__name__}",
         [
