@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import threading
@@ -27,14 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
-import numpy as np
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentroll.buffer import BufferConfig, Lease, TrajectoryBuffer
 from agentroll.errors import ConfigError, WeightSyncError
@@ -46,6 +37,7 @@ from agentroll.stream.client import (
     LeaseBatch,
     LeaseRequest,
 )
+from agentroll.stream.http import App, FileRange, Handler, HTTPError, Request, Response, serve
 from agentroll.stream.spool import Spool, SpoolConfig
 from agentroll.types import Trajectory, decode_json, decode_msgpack, encode_json, encode_msgpack
 
@@ -440,11 +432,15 @@ class TrajectoryStream:
             self.counters["delivered"] += len(lease.trajectories)
         return lease
 
-    def lease_body(self, lease: Lease, head: bytes) -> np.ndarray:
-        """``head``, then the stored msgpack of each leased trajectory (read back from the
-        spool, not re-encoded; one acknowledged meanwhile is encoded again)."""
+    def lease_response(self, lease: Lease, head: bytes) -> Response:
+        """A 200 whose body is ``head``, then the stored msgpack of each leased trajectory,
+        sent from the spool's segment files with sendfile (not read into memory; one
+        acknowledged meanwhile is encoded again)."""
         by_id = {t.id: t for t in lease.trajectories}
-        return self.spool.read_payloads(list(by_id), head, lambda rid: encode_msgpack(by_id[rid]))
+        found, fds = self.spool.payload_ranges(list(by_id), lambda rid: encode_msgpack(by_id[rid]))
+        parts: list[bytes | memoryview | FileRange] = [head]
+        parts += [p if isinstance(p, bytes) else FileRange(*p) for p in found]
+        return Response(200, parts, MSGPACK, fds=fds)
 
     async def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge trajectories: they leave the buffer and, durably before this returns,
@@ -548,56 +544,13 @@ def _msgpack_array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-class _BearerAuth:
-    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <token>``."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {token}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = PlainTextResponse(
-                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
-                    "the token the worker was started with",
-                    401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"request body exceeds the {limit}-byte limit")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client of ``request`` (whose body was read) has disconnected: a
-    long-poll whose client gave up must not take trajectories it can never deliver."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _decode_body(request: Request, body: bytes, typ: type[Any]) -> Any:
     is_json = "json" in request.headers.get("content-type", "")
     try:
         return decode_json(body, typ) if is_json else decode_msgpack(body, typ)
     except (msgspec.MsgspecError, ValueError) as exc:
         fmt = "JSON" if is_json else "msgpack"
-        raise HTTPException(400, f"malformed {fmt} body for {typ.__name__}: {exc}") from exc
+        raise HTTPError(400, f"malformed {fmt} body for {typ.__name__}: {exc}") from exc
 
 
 def _wants_json(request: Request) -> bool:
@@ -606,22 +559,23 @@ def _wants_json(request: Request) -> bool:
 
 def _reply(request: Request, obj: Any) -> Response:
     if _wants_json(request):
-        return Response(encode_json(obj), media_type=JSON)
-    return Response(encode_msgpack(obj), media_type=MSGPACK)
+        return Response.data(encode_json(obj), JSON)
+    return Response.data(encode_msgpack(obj), MSGPACK)
 
 
 def stream_app(
     stream: TrajectoryStream, *, token: str | None = None, stop: asyncio.Event | None = None
-) -> Starlette:
+) -> App:
     """The worker's HTTP API over ``stream`` (routes in the module docstring of
-    ``agentroll.stream``).  ``stop``, once set, ends pending long-polls with 204."""
+    ``agentroll.stream``), for ``agentroll.stream.http.serve``.  ``stop``, once set, ends
+    pending long-polls with 204."""
     config = stream.config
     stop = stop or asyncio.Event()
 
     async def lease(request: Request) -> Response:
-        body = await _read_body(request, config.max_body_bytes)
+        body = await request.body(config.max_body_bytes)
         req = _decode_body(request, body, LeaseRequest) if body else LeaseRequest()
-        query = request.query_params
+        query = request.query
         try:
             if "max" in query:
                 req.max = int(query["max"])
@@ -630,18 +584,18 @@ def stream_app(
             if "trainer_version" in query:
                 req.trainer_version = int(query["trainer_version"])
         except ValueError as exc:
-            raise HTTPException(400, f"bad query parameter: {exc}") from exc
+            raise HTTPError(400, f"bad query parameter: {exc}") from exc
         if not 1 <= req.max <= config.max_lease:
-            raise HTTPException(400, f"max={req.max}; ask for 1 to {config.max_lease}")
+            raise HTTPError(400, f"max={req.max}; ask for 1 to {config.max_lease}")
         if not 0 <= req.wait <= config.max_wait:
-            raise HTTPException(400, f"wait={req.wait}; use 0 to {config.max_wait} seconds")
+            raise HTTPError(400, f"wait={req.wait}; use 0 to {config.max_wait} seconds")
         if req.trainer_version is not None and req.trainer_version < 0:
-            raise HTTPException(400, f"trainer_version={req.trainer_version}; use >= 0")
+            raise HTTPError(400, f"trainer_version={req.trainer_version}; use >= 0")
         task = asyncio.ensure_future(
             stream.lease(req.max, wait=req.wait, trainer_version=req.trainer_version)
         )
         stopping = asyncio.ensure_future(stop.wait())
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(request.disconnected())
         try:
             await asyncio.wait({task, stopping, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -653,7 +607,7 @@ def stream_app(
         # a lease that came as the client left is offered again after its ttl
         got = None if task.cancelled() else task.result()
         if got is None:
-            return Response(status_code=204)
+            return Response(204)
         ttl = got.expires_at - stream._clock()
         head: dict[str, Any] = {
             "lease_id": got.id,
@@ -662,18 +616,17 @@ def stream_app(
             "trainer_version": got.trainer_version,
         }
         if _wants_json(request):
-            return Response(
-                encode_json(LeaseBatch(**head, trajectories=got.trajectories)), media_type=JSON
+            return Response.data(
+                encode_json(LeaseBatch(**head, trajectories=got.trajectories)), JSON
             )
         # the batch's fields, then an array header, then the stored msgpack of each
-        # trajectory read back from the spool into one buffer; a memoryview lets the
-        # transport buffer what the socket does not take at once without copying it first
+        # trajectory, sent from the spool's files with sendfile (not read into memory)
         prefix = msgspec.msgpack.encode(_RawLeaseBatch(**head, trajectories=[]))
         prefix = prefix[:-1] + _msgpack_array_header(len(got.trajectories))
-        return Response(stream.lease_body(got, prefix).data, media_type=MSGPACK)
+        return stream.lease_response(got, prefix)
 
     async def ack(request: Request) -> Response:
-        body = await _read_body(request, config.max_body_bytes)
+        body = await request.body(config.max_body_bytes)
         req = _decode_body(request, body, AckRequest)
         return _reply(request, AckReply(acked=await stream.ack(req.ids)))
 
@@ -683,43 +636,40 @@ def stream_app(
         limit = config.max_weights_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPException(413, f"weight upload of {declared} bytes exceeds {limit} bytes")
+            raise HTTPError(413, f"weight upload of {declared} bytes exceeds {limit} bytes")
         decoder = FrameDecoder()
         size = 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise HTTPException(
+                    raise HTTPError(
                         413, f"weight upload exceeds {limit} bytes (StreamConfig.max_weights_bytes)"
                     )
                 decoder.feed(chunk)
             update = decoder.finish()
-        except ClientDisconnect:
-            return Response(status_code=400)  # the sender is gone; nothing is applied
         except WeightSyncError as exc:
-            return PlainTextResponse(f"malformed weight upload: {exc}", 400)
+            return Response.text(400, f"malformed weight upload: {exc}")
         try:
             await stream.apply_weights(update)
         except WeightSyncError as exc:
-            return PlainTextResponse(str(exc), 409)
-        return JSONResponse({"version": update.version})
+            return Response.text(409, str(exc))
+        return Response.data(msgspec.json.encode({"version": update.version}), JSON)
 
     async def status(request: Request) -> Response:
-        return Response(msgspec.json.encode(stream.status()), media_type=JSON)
+        return Response.data(msgspec.json.encode(stream.status()), JSON)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(stream.metrics(), media_type="text/plain; version=0.0.4")
+        return Response.data(stream.metrics().encode(), "text/plain; version=0.0.4")
 
-    routes = [
-        Route("/v1/lease", lease, methods=["POST"]),
-        Route("/v1/ack", ack, methods=["POST"]),
-        Route("/v1/weights", weights, methods=["POST"]),
-        Route("/v1/status", status, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ]
-    middleware = [Middleware(_BearerAuth, token=token)] if token is not None else []
-    return Starlette(routes=routes, middleware=middleware)
+    routes: dict[str, dict[str, Handler]] = {
+        "/v1/lease": {"POST": lease},
+        "/v1/ack": {"POST": ack},
+        "/v1/weights": {"POST": weights},
+        "/v1/status": {"GET": status},
+        "/metrics": {"GET": metrics},
+    }
+    return App(routes, token=token)
 
 
 @contextlib.asynccontextmanager
@@ -730,15 +680,11 @@ async def serve_stream(
     port: int = 0,
     token: str | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``stream_app(stream)`` under uvicorn for the duration of the block; yields the
-    base URL (``port=0`` picks a free port).  A non-loopback ``host`` without a ``token``
-    raises ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish
-    (up to 5 s) and the server task is awaited, also when the block is cancelled."""
-    from agentroll.weights.http import serve_app
-
+    """Serve ``stream_app(stream)`` for the duration of the block; yields the base URL
+    (``port=0`` picks a free port).  A non-loopback ``host`` without a ``token`` raises
+    ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish (up
+    to 5 s) and every connection is closed, also when the block is cancelled."""
     stop = asyncio.Event()
     app = stream_app(stream, token=token, stop=stop)
-    async with serve_app(
-        app, host=host, port=port, token=token, what="trajectories", on_exit=stop.set
-    ) as url:
+    async with serve(app, host=host, port=port, what="trajectories", on_exit=stop.set) as url:
         yield url

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import xxhash
 
 from agentroll.errors import ConfigError
@@ -42,8 +41,6 @@ _SEGMENT_SUFFIX = ".seg"
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_ID_BYTES = (1 << 16) - 1
 _WRITEV_RECORDS = 300  # 3 buffers per record: under IOV_MAX (1024)
-_READV_BUFFERS = 1000  # per preadv: under IOV_MAX (1024)
-_READ_GAP = 64 << 10  # frames between two payloads read in one preadv up to this size
 
 
 class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,22 +123,6 @@ def _frame_parts(traj_id: str, payload: bytes) -> tuple[bytes, bytes, bytes]:
     tail = struct.pack("<IHH", len(payload), len(rid), 0)
     digest = _record_checksum(tail, rid, payload)
     return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), 0, digest), rid, payload
-
-
-def _preadv_exactly(fd: int, bufs: list[memoryview], offset: int) -> None:
-    """Fill ``bufs`` from ``fd`` at ``offset``; a short read is resumed, end of file raises."""
-    first = 0
-    while first < len(bufs):
-        n = os.preadv(fd, bufs[first:] if first else bufs, offset)
-        if n == 0:
-            missing = sum(len(b) for b in bufs[first:])
-            raise OSError(f"spool segment ended {missing} bytes early (truncated by hand?)")
-        offset += n
-        while first < len(bufs) and n >= len(bufs[first]):
-            n -= len(bufs[first])
-            first += 1
-        if n:
-            bufs[first] = bufs[first][n:]
 
 
 def _encode_ack(ids: list[str]) -> bytes:
@@ -260,7 +241,7 @@ class Spool:
         self._syncing: set[str] = set()  # being fsync'd by sync_records (lock not held)
         self._active: _Segment | None = None
         self._fd: int | None = None
-        self._read_fds: dict[int, int] = {}  # segment -> O_RDONLY fd (read_payloads)
+        self._read_fds: dict[int, int] = {}  # segment -> O_RDONLY fd (reading payloads)
         self._next_segment = 1
         self._ack_dirty = False
         self._closed = False
@@ -634,52 +615,34 @@ class Spool:
             for fd in fds.values():
                 os.close(fd)
 
-    def read_payloads(
-        self, ids: Sequence[str], head: bytes, fallback: Callable[[str], bytes]
-    ) -> np.ndarray:
-        """``head``, then the stored payload of each of ``ids`` in order, in one new buffer
-        (a uint8 array: unlike a bytearray it is not zero-filled first, a 9 MB memset per
-        lease):
-        read back from the segment files (the page cache, for records written recently)
-        with one ``preadv`` per run of nearby records, so the payloads need not be kept in
-        memory.  An id that is not pending (acknowledged meanwhile) is filled in with
-        ``fallback(id)``.  Meant for records a ``flush`` made durable; raises ``OSError``
-        if a segment file cannot be read."""
+    def payload_ranges(
+        self, ids: Sequence[str], fallback: Callable[[str], bytes]
+    ) -> tuple[list[bytes | tuple[int, int, int]], list[int]]:
+        """Where the stored payload of each of ``ids`` is, in order, for ``sendfile``:
+        ``(fd, offset, length)`` in a segment file, or ``fallback(id)`` for an id that is not
+        pending (acknowledged meanwhile); and the descriptors used, ``dup``s the caller
+        closes (a segment deleted meanwhile stays readable through them).  Meant for
+        records a ``flush`` made durable."""
         with self._lock:
             self._check_open()
-            where = [self._pending.get(rid) for rid in ids]
-            extra = {i: fallback(ids[i]) for i, loc in enumerate(where) if loc is None}
-            total = len(head) + sum(
-                loc[2] if loc is not None else len(extra[i]) for i, loc in enumerate(where)
-            )
-            out = np.empty(total, np.uint8)  # not zero-filled: every byte is written below
-            view = out.data
-            view[: len(head)] = head
-            pos, i, scratch = len(head), 0, bytearray(_READ_GAP)
-            while i < len(where):
-                loc = where[i]
-                if loc is None:
-                    data = extra[i]
-                    view[pos : pos + len(data)] = data
-                    pos += len(data)
-                    i += 1
-                    continue
-                number, start, length = loc
-                bufs, end = [view[pos : pos + length]], start + length
-                pos += length
-                i += 1
-                while i < len(where) and len(bufs) < _READV_BUFFERS - 1:
-                    nxt = where[i]
-                    if nxt is None or nxt[0] != number or not 0 <= nxt[1] - end <= _READ_GAP:
-                        break
-                    if nxt[1] > end:  # the next record's frame header and id
-                        bufs.append(memoryview(scratch)[: nxt[1] - end])
-                    bufs.append(view[pos : pos + nxt[2]])
-                    pos += nxt[2]
-                    end = nxt[1] + nxt[2]
-                    i += 1
-                _preadv_exactly(self._read_fd(number), bufs, start)
-            return out
+            dups: dict[int, int] = {}
+            parts: list[bytes | tuple[int, int, int]] = []
+            try:
+                for rid in ids:
+                    loc = self._pending.get(rid)
+                    if loc is None:
+                        parts.append(fallback(rid))
+                        continue
+                    number, offset, length = loc
+                    fd = dups.get(number)
+                    if fd is None:
+                        fd = dups[number] = os.dup(self._read_fd(number))
+                    parts.append((fd, offset, length))
+            except BaseException:
+                for fd in dups.values():
+                    os.close(fd)
+                raise
+            return parts, list(dups.values())
 
     def _read_fd(self, number: int) -> int:
         """Under the lock: the segment's read descriptor (closed when it is deleted)."""

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import ipaddress
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from agentroll._net import is_loopback
 from agentroll.errors import ConfigError, WeightSyncError
 from agentroll.weights.transport import (
     FrameDecoder,
@@ -93,15 +93,6 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @contextlib.asynccontextmanager
 async def serve_app(
     app: Any,
@@ -118,7 +109,7 @@ async def serve_app(
     on exit ``on_exit`` runs (e.g. to end long-polls), the server stops accepting, finishes
     in-flight requests (up to 5 s) and is awaited; if the block is cancelled during
     shutdown, the server task is cancelled and awaited too."""
-    if token is None and not _is_loopback(host):
+    if token is None and not is_loopback(host):
         raise ConfigError(f"serving {what} on {host!r} needs a token (or bind 127.0.0.1)")
     sock = socket.create_server((host, port))
     # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and

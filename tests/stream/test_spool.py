@@ -78,10 +78,16 @@ def test_acked_records_never_come_back_and_segments_are_deleted(tmp_path: Path) 
     assert segments(tmp_path) == []
 
 
-def test_read_payloads_reads_back_records_in_any_order_across_segments(tmp_path: Path) -> None:
-    """A lease body is read back from the segment files: ``head``, then each id's stored
-    msgpack in the order asked (across segment boundaries and with other records between),
-    and an id acknowledged meanwhile is filled in by the fallback."""
+def read_back(parts: list[bytes | tuple[int, int, int]]) -> bytes:
+    """What sendfile would send for ``payload_ranges``' parts."""
+    return b"".join(p if isinstance(p, bytes) else os.pread(p[0], p[2], p[1]) for p in parts)
+
+
+def test_payload_ranges_locate_records_in_any_order_across_segments(tmp_path: Path) -> None:
+    """A lease body is sent from the segment files: each id's stored msgpack in the order
+    asked (across segment boundaries and with other records between), an id acknowledged
+    meanwhile filled in by the fallback; the descriptors are dups that outlive a deleted
+    segment."""
     records = [(t.id, encode_msgpack(t)) for t in (traj(i, tokens=64 + 7 * i) for i in range(40))]
     stored = dict(records)
     with Spool(tmp_path, SpoolConfig(segment_bytes=8192)) as spool:
@@ -99,31 +105,23 @@ def test_read_payloads_reads_back_records_in_any_order_across_segments(tmp_path:
             calls.append(rid)
             return b"<" + rid.encode() + b">"
 
-        body = spool.read_payloads(order, b"HEAD", fallback)
-        expect = b"HEAD" + b"".join(
+        parts, fds = spool.payload_ranges(order, fallback)
+        expect = b"".join(
             stored[rid] if rid not in ("t00003", "t00030") else b"<" + rid.encode() + b">"
             for rid in order
         )
-        assert bytes(body) == expect
+        assert read_back(parts) == expect
         assert calls == ["t00030", "t00003"]
-        assert bytes(spool.read_payloads([], b"H", fallback)) == b"H"
-        # a deleted segment closes its read descriptor; what is left still reads back
-        spool.ack([rid for rid, _ in records[:20]])
+        assert len(fds) == len({p[0] for p in parts if isinstance(p, tuple)}) > 3
+        assert not set(fds) & set(spool._read_fds.values())  # dups, not the spool's own
+        assert spool.payload_ranges([], fallback) == ([], [])
+        # every record acknowledged: the segments go, the dups still read what they held
+        spool.ack([rid for rid, _ in records])
         spool.flush()
-        rest = [rid for rid, _ in records[20:] if rid != "t00030"]
-        assert bytes(spool.read_payloads(rest, b"", fallback)) == b"".join(
-            stored[rid] for rid in rest
-        )
-        assert set(spool._read_fds) <= {seg.number for seg in spool._segments.values()}
-
-
-def test_read_payloads_of_a_file_cut_short_by_hand_raises(tmp_path: Path) -> None:
-    with Spool(tmp_path) as spool:
-        spool.append_many([(t.id, encode_msgpack(t)) for t in (traj(0), traj(1))])
-        spool.flush()
-        os.truncate(segments(tmp_path)[0], segments(tmp_path)[0].stat().st_size - 10)
-        with pytest.raises(OSError, match="ended 10 bytes early"):
-            spool.read_payloads(["t00000", "t00001"], b"", lambda rid: b"")
+        assert segments(tmp_path) == [] and spool._read_fds == {}
+        assert read_back(parts) == expect
+        for fd in fds:
+            os.close(fd)
 
 
 def test_pending_skips_unflushed_and_sync_every_flushes(tmp_path: Path) -> None:

@@ -1,0 +1,577 @@
+"""A small asyncio HTTP/1.1 server for the trajectory stream's API (httptools parses).
+
+Why not uvicorn + Starlette, which serve the weight endpoints: most of a lease body is spool
+records already in the page cache, and this server sends them with ``sendfile(2)``: no read
+into user memory, no copy into a transport buffer (the worker's CPU is what bounds the
+stream on a small machine).  What it does not do: TLS (put a proxy in front), HTTP/2,
+protocol upgrades, trailers.
+
+Invariants:
+- one request at a time per connection: a pipelined request waits, unparsed, until the
+  response before it is complete (responses go out in request order);
+- every request gets exactly one response while its peer is there: ``HTTPError`` from a
+  handler becomes a text reply with its status, any other exception a 500 (logged), and the
+  server keeps serving; malformed HTTP gets 400 and the connection is closed;
+- a request body is read only when the handler asks (``body`` with a limit, or ``stream``),
+  and reading pauses while more than ``_BODY_QUEUE`` bytes of it wait to be consumed; a
+  response sent before its request's body was read closes the connection after it (after a
+  half-close, so the peer reads the response rather than a reset);
+- the descriptors a ``Response`` owns are closed once it was sent or failed (or the
+  connection is gone), so the files it reads may be unlinked meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import httptools
+
+from agentroll._net import is_loopback
+from agentroll.errors import ConfigError
+
+logger = logging.getLogger("agentroll.stream.http")
+
+_MAX_URL = 8 << 10  # bytes of a request target
+_MAX_HEAD = 64 << 10  # bytes of all header names and values of a request
+_MAX_HEADERS = 128
+_BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
+_PIPELINE = 16  # requests waiting behind the current one before reading pauses
+_LINGER = 5.0  # seconds a closing connection discards what the peer still sends
+
+
+class _Reject(Exception):
+    """Raised in a parser callback: answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class HTTPError(Exception):
+    """Raise in a handler to answer ``status`` with ``message`` as text."""
+
+    def __init__(self, status: int, message: str, headers: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = tuple(headers)
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """``count`` bytes at ``offset`` of the open file ``fd``, sent with sendfile."""
+
+    fd: int
+    offset: int
+    count: int
+
+
+@dataclass
+class Response:
+    """Status, headers and a body made of byte strings and file ranges, sent in order.
+    ``fds``: descriptors the response owns (its ranges' files, typically ``dup``s), closed
+    once it was sent or failed."""
+
+    status: int = 200
+    parts: Sequence[bytes | memoryview | FileRange] = ()
+    content_type: str | None = None
+    headers: Sequence[tuple[str, str]] = ()
+    fds: Sequence[int] = ()
+
+    @classmethod
+    def text(cls, status: int, text: str, headers: Sequence[tuple[str, str]] = ()) -> Response:
+        return cls(status, [text.encode()], "text/plain; charset=utf-8", headers)
+
+    @classmethod
+    def data(cls, body: bytes | memoryview, content_type: str, status: int = 200) -> Response:
+        return cls(status, [body], content_type)
+
+    def length(self) -> int:
+        return sum(p.count if isinstance(p, FileRange) else len(p) for p in self.parts)
+
+    def close_files(self) -> None:
+        """Close ``fds`` (idempotent)."""
+        fds, self.fds = self.fds, ()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+Handler = Callable[["Request"], Awaitable[Response]]
+
+
+class Request:
+    """One parsed request: ``method``, ``path``, ``query`` (last value of each name),
+    ``headers`` (lower-case names; repeated ones joined with ", "); the body on demand."""
+
+    def __init__(self, conn: _Connection, method: str, target: bytes, headers: dict[str, str]):
+        self._conn = conn
+        self.method = method
+        url = httptools.parse_url(target)
+        self.path = urllib.parse.unquote(url.path.decode("latin-1"))
+        query = (url.query or b"").decode("latin-1")
+        self.query = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+        self.headers = headers
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._queued = 0
+        self._complete = False
+        self._arrived = asyncio.Event()
+        self._broken = False  # the body was malformed: the connection closes after this
+        self.keep_alive = True
+        self.continued = False  # 100 Continue was sent
+
+    # fed by the connection ------------------------------------------------------------------
+
+    def _feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._queued += len(chunk)
+        self._arrived.set()
+        if self._queued > _BODY_QUEUE:
+            self._conn._pause("body")
+
+    def _end(self) -> None:
+        self._complete = True
+        self._arrived.set()
+
+    def _break(self) -> None:
+        self._broken = True
+        self._arrived.set()
+
+    # for handlers ---------------------------------------------------------------------------
+
+    @property
+    def body_complete(self) -> bool:
+        """Every byte of the body was received (and no more are coming)."""
+        return self._complete
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive (chunked bodies decoded).  Raises
+        ``ConnectionError`` when the peer left before the end of the body."""
+        self._conn._continue(self)
+        while True:
+            while self._chunks:
+                chunk = self._chunks.popleft()
+                self._queued -= len(chunk)
+                if self._queued <= _BODY_QUEUE // 2:
+                    self._conn._resume("body")
+                yield chunk
+            if self._complete:
+                return
+            if self._broken:
+                raise HTTPError(400, "malformed request body")
+            if self._conn.lost.done():
+                raise ConnectionError("the client closed the connection during the request body")
+            self._arrived.clear()
+            await self._arrived.wait()  # set by the connection on more data, the end or loss
+
+    async def body(self, limit: int) -> bytes:
+        """The whole body; ``HTTPError(413)`` beyond ``limit`` bytes (declared or sent)."""
+        declared = self.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def disconnected(self) -> None:
+        """Return once the client has closed the connection."""
+        await asyncio.shield(self._conn.lost)
+
+
+@dataclass
+class App:
+    """Routes (``path -> method -> handler``) behind an optional bearer token."""
+
+    routes: dict[str, dict[str, Handler]]
+    token: str | None = None
+    _expected: bytes | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.token is not None:
+            self._expected = f"Bearer {self.token}".encode()
+
+    async def handle(self, request: Request) -> Response:
+        if self._expected is not None:
+            given = request.headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, self._expected):
+                return Response.text(
+                    401,
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
+                    "the token the worker was started with",
+                    [("www-authenticate", "Bearer")],
+                )
+        methods = self.routes.get(request.path)
+        if methods is None:
+            return Response.text(404, f"no route {request.path!r}")
+        handler = methods.get(request.method)
+        if handler is None:
+            allow = ", ".join(sorted(methods))
+            return Response.text(
+                405, f"{request.method} is not allowed here; use {allow}", [("allow", allow)]
+            )
+        return await handler(request)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs their handlers in order, writes the
+    responses (file ranges with sendfile)."""
+
+    def __init__(self, server: _Server) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.lost: asyncio.Future[None] = self._loop.create_future()
+        self._pending: collections.deque[Request] = collections.deque()
+        self._current: Request | None = None  # the request being parsed
+        self._task: asyncio.Task[None] | None = None
+        self._url = b""
+        self._head: dict[str, str] = {}
+        self._head_bytes = 0
+        self._paused: set[str] = set()
+        self._drained: asyncio.Future[None] | None = None
+        self._write_fd = -1  # a dup of the socket: waits for writability during sendfile
+        self._closing = False
+        self._discard = False  # after a half-close: what arrives is dropped
+
+    # asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        # pause_writing as soon as anything is buffered, resume_writing when it drained:
+        # the signal that a sendfile may start
+        transport.set_write_buffer_limits(high=0, low=0)
+        self._server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        if self._write_fd >= 0:
+            self._loop.remove_writer(self._write_fd)
+            os.close(self._write_fd)
+            self._write_fd = -1
+        for request in self._pending:
+            request._arrived.set()
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard or self._closing:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Reject):
+                self._reject(cause.status, cause.message)
+            else:
+                self._reject(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too: no request can come after the client's EOF
+
+    def pause_writing(self) -> None:
+        if self._drained is None or self._drained.done():
+            self._drained = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # httptools callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url, self._head, self._head_bytes = b"", {}, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > _MAX_URL:
+            raise _Reject(414, f"request target longer than {_MAX_URL} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > _MAX_HEAD or len(self._head) > _MAX_HEADERS:
+            raise _Reject(431, f"more than {_MAX_HEAD} bytes or {_MAX_HEADERS} header fields")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self._head[key] = f"{self._head[key]}, {text}" if key in self._head else text
+
+    def on_headers_complete(self) -> None:
+        method = self._parser.get_method().decode("latin-1")
+        try:
+            request = Request(self, method, self._url, self._head)
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError) as exc:
+            raise _Reject(400, f"bad request target {self._url[:200]!r}") from exc
+        request.keep_alive = self._parser.should_keep_alive()
+        self._current = request
+        self._pending.append(request)
+        if len(self._pending) > _PIPELINE:
+            self._pause("pipeline")
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve())
+
+    def on_body(self, body: bytes) -> None:
+        if self._current is not None:
+            self._current._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._current is not None:
+            self._current._end()
+            self._current = None
+
+    # flow control ----------------------------------------------------------------------------
+
+    def _pause(self, why: str) -> None:
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._paused.add(why)
+
+    def _resume(self, why: str) -> None:
+        if why in self._paused:
+            self._paused.discard(why)
+            if not self._paused and self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def _continue(self, request: Request) -> None:
+        """An ``Expect: 100-continue`` request's handler reads the body: tell the client."""
+        if (
+            request.headers.get("expect", "").lower() == "100-continue"
+            and not request._complete
+            and not request.continued
+            and self.transport is not None
+            and not self.transport.is_closing()
+        ):
+            request.continued = True
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    # serving ---------------------------------------------------------------------------------
+
+    def _reject(self, status: int, message: str) -> None:
+        """A response to bad HTTP (no handler runs for it), then the connection closes."""
+        self._closing = True
+        if self._current is not None:  # its handler may be waiting for the rest of the body
+            self._current._break()
+            self._current = None
+        if self._task is None and self.transport is not None and not self.transport.is_closing():
+            self._write_head(Response.text(status, message), close=True)
+            self.transport.write(message.encode())
+            self._half_close()
+        # else: the request in progress is answered first, then the connection closes
+
+    async def _serve(self) -> None:
+        """Answer the pending requests in order while the connection lives."""
+        try:
+            while self._pending and not self.lost.done():
+                request = self._pending[0]
+                self._server.active += 1
+                try:
+                    response = await self._respond(request)
+                    self._pending.popleft()
+                    self._resume("pipeline")
+                    close = self._closing or not request.keep_alive or self._server.closing
+                    close = close or not request.body_complete
+                    try:
+                        await self._send(response, close=close)
+                    finally:
+                        response.close_files()
+                finally:
+                    self._server.active -= 1
+                    self._server.idle.set()
+                if close:
+                    self._half_close()
+                    return
+        except (ConnectionError, OSError) as exc:
+            logger.debug("connection failed while sending a response: %s", exc)
+            self._abort()
+        except asyncio.CancelledError:
+            self._abort()
+            raise
+        finally:
+            self._task = None
+            if self._closing and not self._discard:
+                self._half_close()
+
+    async def _respond(self, request: Request) -> Response:
+        try:
+            return await self._server.app.handle(request)
+        except HTTPError as exc:
+            return Response.text(exc.status, exc.message, exc.headers)
+        except ConnectionError:
+            return Response.text(400, "the client closed the connection during the request")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            return Response.text(500, "internal error in the worker (see its log)")
+
+    def _write_head(self, response: Response, *, close: bool) -> None:
+        assert self.transport is not None
+        try:
+            reason = HTTPStatus(response.status).phrase
+        except ValueError:
+            reason = ""
+        lines = [f"HTTP/1.1 {response.status} {reason}"]
+        if response.status not in (204, 304):
+            lines.append(f"content-length: {response.length()}")
+        if response.content_type is not None:
+            lines.append(f"content-type: {response.content_type}")
+        lines += [f"{k}: {v}" for k, v in response.headers]
+        if close:
+            lines.append("connection: close")
+        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+
+    async def _send(self, response: Response, *, close: bool) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        self._write_head(response, close=close)
+        for part in response.parts if response.status not in (204, 304) else ():
+            if transport.is_closing():
+                raise ConnectionError("the client closed the connection during the response")
+            if isinstance(part, FileRange):
+                await self._sendfile(part)
+            elif part:
+                transport.write(part)
+
+    async def _sendfile(self, part: FileRange) -> None:
+        """``part`` from its file to the socket with sendfile, after what the transport
+        buffered (the two must not interleave)."""
+        assert self.transport is not None
+        while self._drained is not None and not self._drained.done():
+            await asyncio.wait({self._drained, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+            if self.lost.done():
+                raise ConnectionError("the client closed the connection during the response")
+        sock = self.transport.get_extra_info("socket")
+        fd = sock.fileno()
+        offset, left = part.offset, part.count
+        while left:
+            try:
+                sent = os.sendfile(fd, part.fd, offset, left)
+            except BlockingIOError:
+                await self._writable(fd)
+                continue
+            if sent == 0:
+                raise OSError(f"sendfile: the file ended {left} bytes early (truncated?)")
+            offset += sent
+            left -= sent
+
+    async def _writable(self, fd: int) -> None:
+        """Wait until the socket takes more (on a dup of it: asyncio keeps the original
+        for its transport)."""
+        if self._write_fd < 0:
+            self._write_fd = os.dup(fd)
+        ready = self._loop.create_future()
+        self._loop.add_writer(self._write_fd, _resolve, ready)
+        try:
+            await asyncio.wait({ready, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if self._write_fd >= 0:
+                self._loop.remove_writer(self._write_fd)
+        if self.lost.done():
+            raise ConnectionError("the client closed the connection during the response")
+
+    def _half_close(self) -> None:
+        """Stop sending (FIN after what is buffered) and drop what still arrives, so the
+        client reads the response rather than a reset; closed for good after ``_LINGER``
+        seconds or when the client closes."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._discard:
+            return
+        self._discard = True
+        self._paused.clear()
+        transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(_LINGER, transport.close)
+        else:
+            transport.close()
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close_idle(self) -> None:
+        """Server shutdown: close now unless a request is being answered."""
+        if self._task is None and self.transport is not None:
+            self.transport.close()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a selector callback may run again before it is removed
+        future.set_result(None)
+
+
+class _Server:
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.connections: set[_Connection] = set()
+        self.active = 0  # handlers running
+        self.idle = asyncio.Event()
+        self.closing = False
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    app: App,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    what: str = "the API",
+    on_exit: Callable[[], None] | None = None,
+    grace: float = 5.0,
+) -> AsyncIterator[str]:
+    """Serve ``app`` for the duration of the block; yields the base URL (``port=0`` picks a
+    free port).  A non-loopback ``host`` needs ``app.token`` (``ConfigError`` naming
+    ``what`` otherwise).  On exit: ``on_exit`` runs (e.g. to end long-polls), the listener
+    closes, requests being answered get up to ``grace`` seconds, then every connection is
+    closed, also when the block is cancelled."""
+    if app.token is None and not is_loopback(host):
+        raise ConfigError(f"serving {what} on {host!r} needs a token (or bind 127.0.0.1)")
+    state = _Server(app)
+    sock = socket.create_server((host, port))
+    # small replies must not wait for the client's delayed ACK (accepted sockets inherit it)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Connection(state), sock=sock)
+    try:
+        bound = sock.getsockname()[1]
+        url_host = f"[{host}]" if ":" in host else host
+        yield f"http://{url_host}:{bound}"
+    finally:
+        state.closing = True
+        if on_exit is not None:
+            on_exit()
+        server.close()
+        for conn in list(state.connections):
+            conn.close_idle()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                while state.active:
+                    state.idle.clear()
+                    await state.idle.wait()
+        for conn in list(state.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+            if conn._task is not None:
+                conn._task.cancel()
+        await server.wait_closed()
