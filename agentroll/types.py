@@ -23,6 +23,8 @@ import numpy as np
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 Status = Literal["ok", "truncated", "failed"]
 
+_I4_MAX = int(np.iinfo(np.int32).max)
+
 #: dtype of each per-token array of a Trajectory
 TOKEN_ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
     "token_ids": np.dtype("<i4"),
@@ -209,10 +211,10 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
 
     def min_policy_version(self) -> int:
         """Oldest policy version among sampled tokens (-1 if nothing was sampled)."""
-        # a masked reduction over a bool view of the 0/1 mask: no temporary arrays
-        top = np.iinfo(self.policy_version.dtype).max
-        low = int(self.policy_version.min(where=self.loss_mask.view(bool), initial=top))
-        return -1 if low == top else low
+        # a masked reduction over a bool view of the 0/1 mask: no temporary arrays (the
+        # dtype is <i4, __post_init__ sees to it)
+        low = int(self.policy_version.min(where=self.loss_mask.view(bool), initial=_I4_MAX))
+        return -1 if low == _I4_MAX else low
 
 
 # -- wire encoding ---------------------------------------------------------------------------
@@ -222,9 +224,12 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.byteorder == ">":
             obj = obj.astype(obj.dtype.newbyteorder("<"))
+        elif not obj.flags.c_contiguous:
+            obj = np.ascontiguousarray(obj)
         # the array's own bytes (msgspec copies them into its output once; tobytes() was a
-        # second full copy of every trajectory's arrays)
-        return {"dtype": obj.dtype.str, "data": np.ascontiguousarray(obj).data.cast("B")}
+        # second full copy of every trajectory's arrays); msgspec writes any contiguous
+        # buffer as raw bytes, whatever its item format
+        return {"dtype": obj.dtype.str, "data": obj.data}
     if isinstance(obj, np.generic):
         return obj.item()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")

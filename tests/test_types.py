@@ -108,3 +108,17 @@ def test_bad_wire_input_is_a_validation_error() -> None:
 def test_min_policy_version_ignores_prompt_tokens() -> None:
     t = _traj(100)
     assert t.min_policy_version() == int(t.policy_version[t.loss_mask == 1].min())
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_strided_array_views_round_trip_as_their_values(fmt: str) -> None:
+    base = _traj(400)
+    t = msgspec.structs.replace(
+        base,
+        token_ids=np.arange(800, dtype=np.int32)[::2],
+        logprobs=base.logprobs.reshape(200, 2)[:, 0].repeat(2),
+        policy_version=np.ascontiguousarray(base.policy_version[::-1])[::-1],
+    )
+    assert not t.token_ids.flags.c_contiguous and not t.policy_version.flags.c_contiguous
+    enc, dec = (encode_msgpack, decode_msgpack) if fmt == "msgpack" else (encode_json, decode_json)
+    _assert_same(t, dec(enc(t), Trajectory))

@@ -5,7 +5,10 @@ once ``flush`` returned (written and fsync'd); on open every segment is scanned 
 corrupt tail (partial frame, bad magic, bad xxh3) is truncated, counted and logged, so what
 ``pending`` yields always passed its checksum; an acknowledged record is never yielded again,
 and a segment whose records are all acknowledged is deleted once the ack is durable.
-Methods are synchronous and thread-safe (one lock); async callers run them in a thread.
+Methods are synchronous and thread-safe: one lock guards the index and is held for little
+file I/O (the ack log's small writes, a rollover, the fsync of ``ack(sync=True)``); appends
+take turns on a second lock and write outside the first, so a read or an ack never waits
+for an append's write, nor for ``collect``'s unlinks.  Async callers run them in a thread.
 """
 
 from __future__ import annotations
@@ -241,6 +244,9 @@ class Spool:
         self._syncing: set[str] = set()  # being fsync'd by sync_records (lock not held)
         self._active: _Segment | None = None
         self._fd: int | None = None
+        self._append_lock = threading.Lock()  # one appender at a time (writes outside _lock)
+        self._writing: _Segment | None = None  # the segment an append is writing to
+        self._unlinking = 0  # forgotten segments whose files collect() is deleting
         self._read_fds: dict[int, int] = {}  # segment -> O_RDONLY fd (reading payloads)
         self._next_segment = 1
         self._ack_dirty = False
@@ -296,7 +302,7 @@ class Spool:
         _fsync_dir(self.path)
         self._stats.fsyncs += 1
         for seg in list(self._segments.values()):
-            if seg.live == 0:
+            if seg.live == 0 and seg is not self._writing:
                 self._delete_segment(seg)
         if self._stats.ack_log_bytes > self.config.compact_ack_log_bytes:
             self._compact_ack_log()
@@ -327,40 +333,7 @@ class Spool:
         """Append one trajectory (or ``(id, encode_msgpack(trajectory))``).  The record is
         written to the OS (it survives a killed process, not a power loss) and becomes
         durable at the next ``flush``.  Raises ``ValueError`` if the id is already pending."""
-        if isinstance(item, Trajectory):
-            rid, payload = item.id, encode_msgpack(item)
-        else:
-            rid, payload = item
-        parts = _frame_parts(rid, payload)  # written with writev: the payload is not copied
-        size = sum(len(p) for p in parts)
-        with self._lock:
-            self._check_open()
-            if rid in self._pending:
-                raise ValueError(f"trajectory {rid!r} is already in the spool; ids must be unique")
-            seg = self._active
-            if seg is None or seg.size >= self.config.segment_bytes:
-                seg = self._open_segment()
-            assert self._fd is not None
-            offset = seg.size
-            written = os.writev(self._fd, parts)
-            if written < size:  # a short write (signal, full disk): finish it or raise
-                rest = b"".join(parts)[written:]
-                while rest:
-                    rest = rest[os.write(self._fd, rest) :]
-            seg.size += size
-            seg.live += 1
-            self._pending[rid] = (
-                seg.number,
-                offset + _RECORD.size + len(rid.encode()),
-                len(payload),
-            )
-            self._unflushed.add(rid)
-            self._stats.appended += 1
-            self._stats.bytes += size
-            self._stats.records = len(self._pending)
-            auto = 0 < self.config.sync_every <= len(self._unflushed)
-        if auto:
-            self.flush()
+        self.append_many([item])
 
     def append_many(self, items: Iterable[Trajectory | tuple[str, bytes]]) -> None:
         """Append several records as ``append`` does, with one ``writev`` per segment (and
@@ -378,43 +351,63 @@ class Spool:
         if len({rid for rid, _ in framed}) != len(framed):
             raise ValueError("the same trajectory id twice in one append; ids must be unique")
         limit = self.config.segment_bytes
-        with self._lock:
-            self._check_open()
-            dup = next((rid for rid, _ in framed if rid in self._pending), None)
-            if dup is not None:
-                raise ValueError(f"trajectory {dup!r} is already in the spool; ids must be unique")
+        auto = False
+        # appenders take turns; the spool lock is not held while the bytes are written, so
+        # reads (a lease's payload_ranges), acks and fsyncs go on meanwhile
+        with self._append_lock:
+            with self._lock:
+                self._check_open()
+                dup = next((rid for rid, _ in framed if rid in self._pending), None)
+                if dup is not None:
+                    raise ValueError(
+                        f"trajectory {dup!r} is already in the spool; ids must be unique"
+                    )
             i = 0
             while i < len(framed):
-                seg = self._active
-                if seg is None or seg.size >= limit:
-                    seg = self._open_segment()
-                assert self._fd is not None
-                j, end = i, seg.size
-                while j < len(framed) and j - i < _WRITEV_RECORDS and (j == i or end < limit):
-                    end += sum(len(p) for p in framed[j][1])
-                    j += 1
+                with self._lock:
+                    self._check_open()
+                    seg = self._active
+                    if seg is None or seg.size >= limit:
+                        seg = self._open_segment()
+                    assert self._fd is not None
+                    j, end = i, seg.size
+                    while j < len(framed) and j - i < _WRITEV_RECORDS and (j == i or end < limit):
+                        end += sum(len(p) for p in framed[j][1])
+                        j += 1
+                    fd = os.dup(self._fd)  # an ack may delete the segment and close _fd
+                    self._writing = seg  # ... but not this one: _collect skips it
                 parts = [p for _, record in framed[i:j] for p in record]
-                written = os.writev(self._fd, parts)
-                if written < end - seg.size:  # a short write (signal, full disk)
-                    rest = b"".join(parts)[written:]
-                    while rest:
-                        rest = rest[os.write(self._fd, rest) :]
-                offset = seg.size
-                for rid, (head, rid_bytes, payload) in framed[i:j]:
-                    self._pending[rid] = (
-                        seg.number,
-                        offset + len(head) + len(rid_bytes),
-                        len(payload),
-                    )
-                    offset += len(head) + len(rid_bytes) + len(payload)
-                    self._unflushed.add(rid)
-                seg.live += j - i
-                self._stats.appended += j - i
-                self._stats.bytes += offset - seg.size
-                seg.size = offset
+                try:
+                    written = os.writev(fd, parts)
+                    if written < end - seg.size:  # a short write (signal, full disk)
+                        rest = b"".join(parts)[written:]
+                        while rest:
+                            rest = rest[os.write(fd, rest) :]
+                except BaseException:
+                    with self._lock:  # a partial record may end the segment: start a new one
+                        self._writing = None
+                        seg.size = max(seg.size, limit)
+                    raise
+                finally:
+                    os.close(fd)
+                with self._lock:
+                    self._writing = None
+                    offset = seg.size
+                    for rid, (head, rid_bytes, payload) in framed[i:j]:
+                        self._pending[rid] = (
+                            seg.number,
+                            offset + len(head) + len(rid_bytes),
+                            len(payload),
+                        )
+                        offset += len(head) + len(rid_bytes) + len(payload)
+                        self._unflushed.add(rid)
+                    seg.live += j - i
+                    self._stats.appended += j - i
+                    self._stats.bytes += offset - seg.size
+                    seg.size = offset
+                    self._stats.records = len(self._pending)
+                    auto = 0 < self.config.sync_every <= len(self._unflushed)
                 i = j
-            self._stats.records = len(self._pending)
-            auto = 0 < self.config.sync_every <= len(self._unflushed)
         if auto:
             self.flush()
 
@@ -500,11 +493,27 @@ class Spool:
 
     def collect(self) -> None:
         """Make pending acks durable, delete every fully acknowledged segment and compact
-        the ack log if it is due (what ``flush`` does after its fsyncs)."""
+        the ack log if it is due (what ``flush`` does after its fsyncs).  The files are
+        unlinked outside the lock (tens of ms for a big one): reads, acks and appends go on
+        meanwhile; the ack log keeps their acks until they are gone."""
         with self._lock:
             self._check_open()
             self._sync_acks(collect=False)
-            self._collect()
+            doomed = [
+                seg for seg in self._segments.values() if seg.live == 0 and seg is not self._writing
+            ]
+            for seg in doomed:
+                self._delete_segment(seg, unlink=False)
+            self._unlinking += len(doomed)
+        try:
+            for seg in doomed:
+                seg.path.unlink(missing_ok=True)
+        finally:
+            with self._lock:
+                self._unlinking -= len(doomed)
+                due = self._stats.ack_log_bytes > self.config.compact_ack_log_bytes
+                if due and not self._closed:
+                    self._compact_ack_log()
 
     # -- acknowledging ---------------------------------------------------------------------
 
@@ -548,12 +557,13 @@ class Spool:
     def _collect(self) -> None:
         """Under the lock, with every recorded ack durable."""
         for seg in list(self._segments.values()):
-            if seg.live == 0:
+            if seg.live == 0 and seg is not self._writing:
                 self._delete_segment(seg)
         if self._stats.ack_log_bytes > self.config.compact_ack_log_bytes:
             self._compact_ack_log()
 
-    def _delete_segment(self, seg: _Segment) -> None:
+    def _delete_segment(self, seg: _Segment, *, unlink: bool = True) -> None:
+        """Under the lock: forget ``seg`` (and unlink its file unless the caller does)."""
         if seg is self._active:
             if self._fd is not None:
                 os.close(self._fd)
@@ -562,13 +572,17 @@ class Spool:
         fd = self._read_fds.pop(seg.number, None)
         if fd is not None:
             os.close(fd)
-        seg.path.unlink(missing_ok=True)
+        if unlink:
+            seg.path.unlink(missing_ok=True)
         del self._segments[seg.number]
         self._stats.bytes -= seg.size
         self._stats.segments = len(self._segments)
 
     def _compact_ack_log(self) -> None:
-        """Rewrite the ack log with only the acks of records still stored (atomic rename)."""
+        """Rewrite the ack log with only the acks of records still stored (atomic rename);
+        not while forgotten segments are still being unlinked (their acks stay needed)."""
+        if self._unlinking:
+            return
         keep = [rid for seg in self._segments.values() for rid in sorted(seg.acked)]
         frame = _encode_ack(keep) if keep else b""
         if len(frame) * 2 > self._stats.ack_log_bytes:

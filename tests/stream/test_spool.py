@@ -4,6 +4,7 @@ are detected and dropped, fully acknowledged segments and old acks are reclaimed
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,107 @@ def test_payload_ranges_locate_records_in_any_order_across_segments(tmp_path: Pa
         assert read_back(parts) == expect
         for fd in fds:
             os.close(fd)
+
+
+def test_reads_and_acks_go_on_while_an_append_is_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spool's lock is not held during an append's write: a lease (payload_ranges), an
+    ack and the statistics do not wait for it; the segment being written is not deleted
+    even when every record before it is acknowledged."""
+    records = [(t.id, encode_msgpack(t)) for t in (traj(i) for i in range(3))]
+    with Spool(tmp_path) as spool:
+        spool.append_many(records[:2])
+        spool.flush()
+        entered, release = threading.Event(), threading.Event()
+        real = os.writev
+
+        def stuck(fd: int, parts: list[bytes]) -> int:
+            entered.set()
+            assert release.wait(10)
+            return real(fd, parts)
+
+        monkeypatch.setattr(os, "writev", stuck)
+        writer = threading.Thread(target=spool.append_many, args=([records[2]],))
+        writer.start()
+        try:
+            assert entered.wait(10)
+            done: list[object] = []
+
+            def others() -> None:
+                parts, fds = spool.payload_ranges(["t00000"], lambda rid: b"")
+                done.append(read_back(parts))
+                for fd in fds:
+                    os.close(fd)
+                done.append(spool.ack(["t00000", "t00001"]))  # the segment has no live record
+                done.append(spool.statistics().records)
+
+            reader = threading.Thread(target=others)
+            reader.start()
+            reader.join(5)
+            assert not reader.is_alive(), "a read or an ack waited for the write"
+            assert done == [records[0][1], 2, 0]
+        finally:
+            release.set()
+            writer.join(10)
+        monkeypatch.undo()
+        spool.flush()
+        parts, fds = spool.payload_ranges(["t00002"], bytes)
+        assert len(spool) == 1 and read_back(parts) == records[2][1]
+        for fd in fds:
+            os.close(fd)
+    with Spool(tmp_path) as spool:  # the record written meanwhile survived the acks
+        assert [r.id for r in spool.pending()] == ["t00002"]
+
+
+def test_collect_unlinks_outside_the_lock_and_keeps_the_acks_until_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = [(t.id, encode_msgpack(t)) for t in (traj(i) for i in range(120))]
+    config = SpoolConfig(segment_bytes=8192, compact_ack_log_bytes=1024)
+    with Spool(tmp_path, config) as spool:
+        spool.append_many(records)
+        spool.flush()
+        for rid, _ in records[:100]:  # one frame each: the ack log grows past 1024 bytes
+            spool.ack([rid], sync=False)
+        spool.sync_acks(collect=False)
+        before = len(segments(tmp_path))
+        entered, release = threading.Event(), threading.Event()
+        real = Path.unlink
+
+        def stuck(path: Path, missing_ok: bool = False) -> None:
+            entered.set()
+            assert release.wait(10)
+            real(path, missing_ok=missing_ok)
+
+        monkeypatch.setattr(Path, "unlink", stuck)
+        collector = threading.Thread(target=spool.collect)
+        collector.start()
+        try:
+            assert entered.wait(10)
+            done: list[object] = []
+
+            def others() -> None:
+                parts, fds = spool.payload_ranges(["t00110"], lambda rid: b"")
+                done.append(read_back(parts) == records[110][1])
+                for fd in fds:
+                    os.close(fd)
+                spool._compact_ack_log()  # refused while files are being unlinked
+                done.append(spool.statistics().ack_log_compactions)
+
+            reader = threading.Thread(target=others)
+            reader.start()
+            reader.join(5)
+            assert not reader.is_alive(), "a read waited for collect's unlinks"
+            assert done == [True, 0]
+        finally:
+            release.set()
+            collector.join(10)
+        monkeypatch.undo()
+        assert len(segments(tmp_path)) < before
+        assert spool.statistics().ack_log_compactions == 1  # after the unlinks: compacted
+    with Spool(tmp_path, config) as spool:
+        assert sorted(r.id for r in spool.pending()) == [rid for rid, _ in records[100:]]
 
 
 def test_pending_skips_unflushed_and_sync_every_flushes(tmp_path: Path) -> None:
