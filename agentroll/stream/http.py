@@ -16,6 +16,8 @@ Invariants:
   and reading pauses while more than ``_BODY_QUEUE`` bytes of it wait to be consumed; a
   response sent before its request's body was read closes the connection after it (after a
   half-close, so the peer reads the response rather than a reset);
+- a connection that holds no complete request head for ``_IDLE_TIMEOUT`` seconds (idle
+  keep-alive, or a head sent a byte at a time) is closed;
 - the descriptors a ``Response`` owns are closed once it was sent or failed (or the
   connection is gone), so the files it reads may be unlinked meanwhile.
 """
@@ -47,6 +49,7 @@ _MAX_HEADERS = 128
 _BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
 _PIPELINE = 16  # requests waiting behind the current one before reading pauses
 _LINGER = 5.0  # seconds a closing connection discards what the peer still sends
+_IDLE_TIMEOUT = 75.0  # seconds a connection may wait for a complete request head
 
 
 class _Reject(Exception):
@@ -249,6 +252,7 @@ class _Connection(asyncio.Protocol):
         self._write_fd = -1  # a dup of the socket: waits for writability during sendfile
         self._closing = False
         self._discard = False  # after a half-close: what arrives is dropped
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol ----------------------------------------------------------------------
 
@@ -259,9 +263,12 @@ class _Connection(asyncio.Protocol):
         # the signal that a sendfile may start
         transport.set_write_buffer_limits(high=0, low=0)
         self._server.connections.add(self)
+        self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if not self.lost.done():
             self.lost.set_result(None)
         if self._drained is not None and not self._drained.done():
@@ -317,6 +324,9 @@ class _Connection(asyncio.Protocol):
         self._head[key] = f"{self._head[key]}, {text}" if key in self._head else text
 
     def on_headers_complete(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         method = self._parser.get_method().decode("latin-1")
         try:
             request = Request(self, method, self._url, self._head)
@@ -410,6 +420,8 @@ class _Connection(asyncio.Protocol):
             self._task = None
             if self._closing and not self._discard:
                 self._half_close()
+            elif not self._pending:
+                self._arm_idle()
 
     async def _respond(self, request: Request) -> Response:
         try:
@@ -489,6 +501,18 @@ class _Connection(asyncio.Protocol):
                 self._loop.remove_writer(self._write_fd)
         if self.lost.done():
             raise ConnectionError("the client closed the connection during the response")
+
+    def _arm_idle(self) -> None:
+        """Close the connection if no complete request head arrives within
+        ``_IDLE_TIMEOUT`` seconds (an idle keep-alive or a trickled head)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self._loop.call_later(_IDLE_TIMEOUT, self._idle_close)
+
+    def _idle_close(self) -> None:
+        self._idle_timer = None
+        if self._task is None and self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
 
     def _half_close(self) -> None:
         """Stop sending (FIN after what is buffered) and drop what still arrives, so the

@@ -299,3 +299,23 @@ async def test_httpx_round_trip() -> None:
         assert r.status_code == 413
         r = await client.get("/echo")
         assert r.status_code == 200
+
+
+async def test_idle_and_trickling_connections_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentroll.stream.http as http
+
+    monkeypatch.setattr(http, "_IDLE_TIMEOUT", 0.3)
+    async with (
+        server(APP) as addr,
+        connect(addr) as idle,
+        connect(addr) as trickle,
+        connect(addr) as busy,
+    ):
+        await idle.send(request("GET", "/echo"))
+        assert (await idle.response())[0] == 200
+        await trickle.send(b"GET /echo HTTP/1.1\r\nhost")  # and never the rest
+        for _ in range(6):  # a client that keeps asking is not cut off
+            await asyncio.sleep(0.1)
+            await busy.send(request("GET", "/echo"))
+            assert (await busy.response())[0] == 200
+        assert await idle.at_eof() and await trickle.at_eof()
