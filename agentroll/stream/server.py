@@ -121,7 +121,9 @@ class _RecordsCommitter:
     def __init__(self, stream: TrajectoryStream, loop: asyncio.AbstractEventLoop) -> None:
         self._stream = stream
         self._loop = loop
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the writer waits on it: jobs queued
+        self._written_cond = threading.Condition(lock)  # the syncer: rounds written
         self._queued: list[_Job] = []
         self._written: list[_Job] = []
         self._closing = False
@@ -141,7 +143,7 @@ class _RecordsCommitter:
                     "the spool's writer thread has stopped (see the log); restart the worker"
                 )
             self._queued.append(job)
-            self._cond.notify_all()
+            self._cond.notify()  # the writer only: the syncer has nothing new to do
 
     def _write_loop(self) -> None:
         jobs: list[_Job] = []  # the round in hand: answered or handed on, else stranded
@@ -164,12 +166,13 @@ class _RecordsCommitter:
                 with self._cond:
                     self._written += [job for job in jobs if job.error is None]
                     jobs = []
-                    self._cond.notify_all()
+                    self._written_cond.notify()
         finally:
             with self._cond:
                 self._writer_done = True
                 stranded, self._queued = jobs + self._queued, []
                 self._cond.notify_all()
+                self._written_cond.notify_all()
             if stranded:  # only when the thread died of an unexpected error
                 for job in stranded:
                     job.error = RuntimeError(
@@ -179,8 +182,8 @@ class _RecordsCommitter:
 
     def _sync_loop(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._written or self._writer_done)
+            with self._written_cond:
+                self._written_cond.wait_for(lambda: self._written or self._writer_done)
                 if not self._written:
                     return
                 jobs, self._written = self._written, []
