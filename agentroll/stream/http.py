@@ -7,8 +7,8 @@ stream on a small machine).  What it does not do: TLS (put a proxy in front), HT
 protocol upgrades, trailers.
 
 Invariants:
-- one request at a time per connection: a pipelined request waits, unparsed, until the
-  response before it is complete (responses go out in request order);
+- one request at a time per connection: a pipelined request is parsed, but its handler
+  starts once the response before it is complete (responses go out in request order);
 - every request gets exactly one response while its peer is there: ``HTTPError`` from a
   handler becomes a text reply with its status, any other exception a 500 (logged), and the
   server keeps serving; malformed HTTP gets 400 and the connection is closed;
@@ -101,7 +101,9 @@ class Response:
         return cls(status, [body], content_type)
 
     def length(self) -> int:
-        return sum(p.count if isinstance(p, FileRange) else len(p) for p in self.parts)
+        return sum(
+            p.count if isinstance(p, FileRange) else memoryview(p).nbytes for p in self.parts
+        )
 
     def close_files(self) -> None:
         """Close ``fds`` (idempotent)."""
@@ -463,7 +465,7 @@ class _Connection(asyncio.Protocol):
             if isinstance(part, FileRange):
                 await self._sendfile(part)
             elif part:
-                transport.write(part)
+                transport.write(part if isinstance(part, bytes) else memoryview(part).cast("B"))
 
     async def _sendfile(self, part: FileRange) -> None:
         """``part`` from its file to the socket with sendfile, after what the transport

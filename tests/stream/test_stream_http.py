@@ -319,3 +319,17 @@ async def test_idle_and_trickling_connections_are_closed(monkeypatch: pytest.Mon
             await busy.send(request("GET", "/echo"))
             assert (await busy.response())[0] == 200
         assert await idle.at_eof() and await trickle.at_eof()
+
+
+async def test_memoryview_parts_count_bytes_not_items() -> None:
+    import numpy as np
+
+    words = np.arange(5, dtype=np.int32)
+
+    async def view(req: Request) -> Response:
+        return Response(200, [b"<", memoryview(words), b">"], "application/octet-stream")
+
+    async with server(App({"/v": {"GET": view}})) as addr, connect(addr) as c:
+        await c.send(request("GET", "/v"))
+        status, headers, body = await c.response()
+        assert status == 200 and headers["content-length"] == "22" and body == b"<" + words.tobytes() + b">"
