@@ -459,35 +459,32 @@ class _Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         self._write_head(response, close=close)
+        sock_fd = -1
         for part in response.parts if response.status not in (204, 304) else ():
             if transport.is_closing():
                 raise ConnectionError("the client closed the connection during the response")
-            if isinstance(part, FileRange):
-                await self._sendfile(part)
-            elif part:
-                transport.write(part if isinstance(part, bytes) else memoryview(part).cast("B"))
-
-    async def _sendfile(self, part: FileRange) -> None:
-        """``part`` from its file to the socket with sendfile, after what the transport
-        buffered (the two must not interleave)."""
-        assert self.transport is not None
-        while self._drained is not None and not self._drained.done():
-            await asyncio.wait({self._drained, self.lost}, return_when=asyncio.FIRST_COMPLETED)
-            if self.lost.done():
-                raise ConnectionError("the client closed the connection during the response")
-        sock = self.transport.get_extra_info("socket")
-        fd = sock.fileno()
-        offset, left = part.offset, part.count
-        while left:
-            try:
-                sent = os.sendfile(fd, part.fd, offset, left)
-            except BlockingIOError:
-                await self._writable(fd)
+            if not isinstance(part, FileRange):
+                if part:
+                    transport.write(part if isinstance(part, bytes) else memoryview(part).cast("B"))
                 continue
-            if sent == 0:
-                raise OSError(f"sendfile: the file ended {left} bytes early (truncated?)")
-            offset += sent
-            left -= sent
+            # sendfile goes straight to the socket: first what the transport buffered
+            while self._drained is not None and not self._drained.done():
+                await asyncio.wait({self._drained, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+                if self.lost.done():
+                    raise ConnectionError("the client closed the connection during the response")
+            if sock_fd < 0:
+                sock_fd = transport.get_extra_info("socket").fileno()
+            offset, left = part.offset, part.count
+            while left:  # one call per range (a spool record) while the socket takes them
+                try:
+                    sent = os.sendfile(sock_fd, part.fd, offset, left)
+                except BlockingIOError:
+                    await self._writable(sock_fd)
+                    continue
+                if sent == 0:
+                    raise OSError(f"sendfile: the file ended {left} bytes early (truncated?)")
+                offset += sent
+                left -= sent
 
     async def _writable(self, fd: int) -> None:
         """Wait until the socket takes more (on a dup of it: asyncio keeps the original
