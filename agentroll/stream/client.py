@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 WireFormat = Literal["msgpack", "json"]
 _ACKS_IN_FLIGHT = 4  # batches(auto_ack=True): acks sent and not yet answered, at most
+#: batches(prefetch=True): lease requests in flight ahead of the consumer, each on its own
+#: connection (the worker's send buffer holds about one lease: two keep the next ones
+#: coming while a batch is decoded)
+_LEASES_IN_FLIGHT = 2
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 
@@ -738,26 +742,28 @@ class StreamClient:
         generator, and the consumer may not have finished it): ``ack`` its ids once it is
         done with them; until then this client does not hand them out again, and the worker
         offers them again after their lease ttl.  Without ``auto_ack`` call ``ack``.  With
-        ``prefetch`` the next lease is requested while the consumer works on the current
-        batch (when the loop stops, a lease in flight is cancelled; anything it had leased
-        is offered again after its ttl).  Raises ``StreamError``."""
-        next_lease: asyncio.Future[tuple[int, str, bytes | bytearray]] | None = None
+        ``prefetch`` the next two leases are requested while the consumer works on the
+        current batch (when the loop stops, leases in flight are cancelled; anything they
+        had leased is offered again after its ttl).  Raises ``StreamError``."""
+        leasing: collections.deque[asyncio.Future[tuple[int, str, bytes | bytearray]]]
+        leasing = collections.deque()  # lease requests in flight, oldest first
         acking: collections.deque[asyncio.Future[int]] = collections.deque()
         try:
             while True:
-                if next_lease is None:
-                    next_lease = asyncio.ensure_future(
-                        self._lease_reply(max, wait, trainer_version)
+                if not leasing:
+                    leasing.append(
+                        asyncio.ensure_future(self._lease_reply(max, wait, trainer_version))
                     )
-                reply = await next_lease
-                next_lease = None
+                reply = await leasing.popleft()
                 if prefetch and reply[0] != 204:
-                    # the next request goes out before this reply is decoded: the worker
-                    # prepares and sends the next batch while this one is decoded and used
-                    next_lease = asyncio.ensure_future(
-                        self._lease_reply(max, wait, trainer_version)
-                    )
-                    await asyncio.sleep(0)  # let it send its request first
+                    # the next requests go out before this reply is decoded: the worker
+                    # prepares and sends the next batches (on their own connections) while
+                    # this one is decoded and used
+                    while len(leasing) < _LEASES_IN_FLIGHT:
+                        leasing.append(
+                            asyncio.ensure_future(self._lease_reply(max, wait, trainer_version))
+                        )
+                    await asyncio.sleep(0)  # let them send their requests first
                 batch = self._decode_lease(reply)
                 if batch is None:
                     continue
@@ -770,11 +776,13 @@ class StreamClient:
                         await acking.popleft()  # raises the StreamError of a failed ack
                     acking.append(asyncio.ensure_future(self.ack([t.id for t in fresh])))
         finally:
-            if next_lease is not None:
-                next_lease.cancel()
-                await asyncio.wait({next_lease})
-                if not next_lease.cancelled():
-                    next_lease.exception()  # retrieved: a failed prefetch is not reported
+            for pending in leasing:
+                pending.cancel()
+            if leasing:
+                await asyncio.wait(leasing)
+            for pending in leasing:
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: a failed prefetch is not reported
             if acking:
                 await asyncio.wait(acking)  # acks that were sent are completed, not dropped
                 failed = [

@@ -129,8 +129,9 @@ async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> Non
 
 
 async def test_batches_sends_the_next_lease_before_decoding_the_last(tmp_path: Path) -> None:
-    """With prefetch, the worker prepares batch k+1 while batch k is decoded: the request for
-    k+1 is on its way when k's reply is decoded (no dedupe or ack change either way)."""
+    """With prefetch, the worker prepares batches k+1 and k+2 while batch k is decoded: their
+    requests are on their way when k's reply is decoded (no dedupe or ack change either
+    way)."""
     async with worker(tmp_path) as (stream, url):
         for i in range(6):
             await stream.publish([traj(i)])
@@ -156,7 +157,7 @@ async def test_batches_sends_the_next_lease_before_decoding_the_last(tmp_path: P
                     if len(got) == 6:
                         break
         assert sorted(got) == [f"t-{i:08d}" for i in range(6)]
-        assert at_decode[:3] == [2, 3, 4]  # reply k decoded after request k+1 was made
+        assert at_decode[:3] == [3, 4, 5]  # reply k decoded after requests k+1, k+2 were made
 
 
 async def test_take_returns_exactly_n_never_handed_out_before(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,7 +14,16 @@ import httpx
 import pytest
 
 from agentroll.errors import ConfigError
-from agentroll.stream.http import App, FileRange, HTTPError, Request, Response, serve
+from agentroll.stream.http import (
+    App,
+    FileRange,
+    HTTPError,
+    Request,
+    Response,
+    _bulk_sndbuf,
+    serve,
+    sndbuf_choice,
+)
 
 
 class Conn:
@@ -332,4 +342,26 @@ async def test_memoryview_parts_count_bytes_not_items() -> None:
     async with server(App({"/v": {"GET": view}})) as addr, connect(addr) as c:
         await c.send(request("GET", "/v"))
         status, headers, body = await c.response()
-        assert status == 200 and headers["content-length"] == "22" and body == b"<" + words.tobytes() + b">"
+        assert (
+            status == 200
+            and headers["content-length"] == "22"
+            and body == b"<" + words.tobytes() + b">"
+        )
+
+
+async def test_send_buffer_is_raised_only_where_that_beats_autotuning() -> None:
+    assert sndbuf_choice(4 << 20, 4 << 20) == 4 << 20  # these machines: 8 MiB (doubled)
+    assert sndbuf_choice(212992, 4 << 20) is None  # a stock kernel: autotuning reaches more
+    seen: list[int] = []
+
+    async def probe(req: Request) -> Response:
+        sock = req._conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        seen.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+        return Response(204)
+
+    async with server(App({"/p": {"GET": probe}})) as addr, connect(addr) as c:
+        await c.send(request("GET", "/p"))
+        assert (await c.response())[0] == 204
+    want = _bulk_sndbuf()
+    if want is not None:
+        assert seen == [2 * want]  # inherited from the listening socket
