@@ -653,13 +653,24 @@ async def test_killed_replica_moves_its_calls_and_episodes_finish(
             # the fleet still updates: the dead replica is not waited for
             await traffic.wait(traffic.busy(calls=2))
             report = await fleet.update(updates[0], strategy="rolling")
+            updated.set()
             await traffic.wait(traffic.busy(calls=1, tokens=1))
             assert dead.name not in traffic.since(mark)
             return report
 
-        # enough episodes that some still generate after the update (24 could all end
-        # while the rolling update ran on a loaded machine)
-        trajs, report = await run_episodes(fleet, traffic, kill, episodes=48)
+        # the second half of the episodes starts once the update returned, so calls are
+        # in flight after it however fast the first half ran (a fresh-clone run saw all 48
+        # end during the rolling update)
+        updated = asyncio.Event()
+        started = 0
+
+        async def admit(n: int) -> None:
+            nonlocal started
+            started += n
+            if started > 24:
+                await asyncio.wait_for(updated.wait(), 120)
+
+        trajs, report = await run_episodes(fleet, traffic, kill, episodes=48, admit=admit)
         assert_quiet(fleet)
     assert fleet.stats.failovers > 0
     assert fleet.status(dead.name) == "down" and dead.version == 0
