@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import typing
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
@@ -117,6 +117,29 @@ def _append_seen(path: Path, ids: list[str]) -> None:
 
 _HEAD_BYTES = 16 << 10  # initial receive buffer of a response head
 _MAX_HEAD_BYTES = 1 << 20  # a response head (status line + headers) may not exceed this
+
+
+def _bytearray_api() -> Callable[[int], bytearray] | None:
+    """CPython's ``PyByteArray_FromStringAndSize(NULL, n)``: a bytearray of ``n`` bytes that
+    are not zeroed first (a lease body is about 9 MB, all of it written by ``recv_into``
+    before anyone reads it); None where ctypes cannot reach the C API."""
+    try:
+        import ctypes
+
+        make = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    except (ImportError, AttributeError):
+        return None
+    make.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    make.restype = ctypes.py_object
+    return lambda n: make(None, n)
+
+
+_MAKE_BYTEARRAY = _bytearray_api()
+
+
+def _uninitialized_bytearray(n: int) -> bytearray:
+    """A bytearray of ``n`` bytes whose contents are undefined until written."""
+    return _MAKE_BYTEARRAY(n) if _MAKE_BYTEARRAY is not None and n > 65536 else bytearray(n)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -231,7 +254,7 @@ class _Connection(asyncio.BufferedProtocol):
             if not length.isdigit() or extra > int(length):
                 self._fail(httpx.RemoteProtocolError(f"bad content-length {length!r}"))
                 return
-            self._body = bytearray(int(length))
+            self._body = _uninitialized_bytearray(int(length))
             self._body[:extra] = self._buf[first : self._len]
             self._pos, self._len = extra, 0
             if self._pos == len(self._body):

@@ -76,7 +76,13 @@ def test_decode_lease_rejects_malformed_bodies() -> None:
 
 # -- FastTransport against a scripted HTTP/1.1 server --------------------------------------
 
+BIG = bytes(range(256)) * 1200  # 307200 bytes: received into a buffer that is not zeroed
 REPLIES: dict[str, list[bytes]] = {
+    "/big": [
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BIG) + BIG[:1000],
+        BIG[1000:150_000],
+        BIG[150_000:],
+    ],
     # a head and a body arriving in several writes
     "/len": [b"HTTP/1.1 200 OK\r\nContent-Le", b"ngth: 11\r\nX-A: 1\r\n\r\nhel", b"lo world"],
     "/chunked": [
@@ -143,6 +149,8 @@ async def test_fast_transport_speaks_http11() -> None:
         assert connections[0] == 1  # kept alive and reused
         r = await client.get("/chunked")
         assert r.content == b"hello world"
+        r = await client.get("/big")
+        assert r.content == BIG
         r = await client.post("/nobody", content=b"{}")
         assert (r.status_code, r.content) == (204, b"")
         r = await client.get("/close")
