@@ -365,3 +365,32 @@ async def test_send_buffer_is_raised_only_where_that_beats_autotuning() -> None:
     want = _bulk_sndbuf()
     if want is not None:
         assert seen == [2 * want]  # inherited from the listening socket
+
+
+async def test_a_big_upload_is_flow_controlled_and_arrives_whole() -> None:
+    import hashlib
+
+    data = os.urandom(24 << 20)
+    paused: list[bool] = []
+
+    async def upload(req: Request) -> Response:
+        h, size = hashlib.sha256(), 0
+        async for chunk in req.stream():
+            h.update(chunk)
+            size += len(chunk)
+            transport = req._conn.transport
+            assert transport is not None
+            paused.append(not transport.is_reading())
+            await asyncio.sleep(0.001)  # a slow consumer: the body queue fills up
+        return Response.text(200, f"{size} {h.hexdigest()}")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 1 << 20):
+            yield data[i : i + (1 << 20)]
+
+    async with serve(App({"/up": {"POST": upload}})) as url, httpx.AsyncClient() as client:
+        r = await client.post(f"{url}/up", content=chunks(), timeout=60)  # chunked
+        assert r.text == f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+        r = await client.post(f"{url}/up", content=data, timeout=60)  # content-length
+        assert r.text == f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+    assert any(paused)  # reading stopped while more than _BODY_QUEUE bytes waited
