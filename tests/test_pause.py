@@ -266,18 +266,20 @@ async def test_a_running_tool_call_finishes_during_the_pause_and_is_kept(
 
 
 async def test_deadlines_shorter_than_the_pause_do_not_fire(tok: ChatTokenizer) -> None:
-    cfg = RolloutConfig(progress="off", generation_timeout=0.1, episode_timeout=0.15)
+    # budgets that the unpaused work fits in on a loaded machine (a fresh-clone run saw the
+    # first episode spend 0.15 s before the pause, waiting for the second one to start)
+    cfg = RolloutConfig(progress="off", generation_timeout=0.5, episode_timeout=0.75)
     backend = Gated(["a b c d"], tokenizer=tok, chunk_size=1, expect=2)
     async with RolloutEngine(backend, SlowTool(), cfg, tokenizer=tok) as engine:
         consumer = asyncio.create_task(_collect(engine.run(go_tasks(2))))
         await backend.arrived.wait()  # both episodes have started generating
         await engine.pause()
         backend.proceed.set()  # their streams are now held by the paused backend
-        await asyncio.sleep(0.35)  # more than twice as long as both timeouts
+        await asyncio.sleep(1.6)  # more than twice as long as both timeouts
         assert not consumer.done()
         paused_for = await engine.resume()
         trajs = await consumer
-    assert paused_for >= 0.35
+    assert paused_for >= 1.6
     assert [t.status for t in trajs] == ["ok", "ok"], [t.error for t in trajs]
 
 
