@@ -160,16 +160,26 @@ class Request:
         """Every byte of the body was received (and no more are coming)."""
         return self._complete
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The body's chunks as they arrive (chunked bodies decoded).  Raises
+    async def stream(self, limit: int | None = None, hint: str = "") -> AsyncIterator[bytes]:
+        """The body's chunks as they arrive (chunked bodies decoded); ``HTTPError(413)``
+        (its message ending with ``hint``) beyond ``limit`` bytes, declared or sent.  Raises
         ``ConnectionError`` when the peer left before the end of the body."""
+        declared = self.headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            raise HTTPError(
+                413, f"request body of {declared} bytes exceeds the {limit}-byte limit{hint}"
+            )
         self._conn._continue(self)
+        size = 0
         while True:
             while self._chunks:
                 chunk = self._chunks.popleft()
                 self._queued -= len(chunk)
                 if self._queued <= _BODY_QUEUE // 2:
                     self._conn._resume("body")
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise HTTPError(413, f"request body exceeds the {limit}-byte limit{hint}")
                 yield chunk
             if self._complete:
                 return
@@ -182,17 +192,7 @@ class Request:
 
     async def body(self, limit: int) -> bytes:
         """The whole body; ``HTTPError(413)`` beyond ``limit`` bytes (declared or sent)."""
-        declared = self.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in self.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"request body exceeds the {limit}-byte limit")
-            parts.append(chunk)
-        return b"".join(parts)
+        return b"".join([chunk async for chunk in self.stream(limit)])
 
     async def disconnected(self) -> None:
         """Return once the client has closed the connection."""

@@ -636,19 +636,10 @@ def stream_app(
     async def weights(request: Request) -> Response:
         from agentroll.weights.transport import FrameDecoder
 
-        limit = config.max_weights_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(413, f"weight upload of {declared} bytes exceeds {limit} bytes")
         decoder = FrameDecoder()
-        size = 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise HTTPError(
-                        413, f"weight upload exceeds {limit} bytes (StreamConfig.max_weights_bytes)"
-                    )
+            hint = " (StreamConfig.max_weights_bytes)"
+            async for chunk in request.stream(config.max_weights_bytes, hint):
                 decoder.feed(chunk)
             update = decoder.finish()
         except WeightSyncError as exc:

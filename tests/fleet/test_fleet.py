@@ -237,6 +237,20 @@ async def run_episodes(
     return trajs, result
 
 
+def admit_after(first: int, event: asyncio.Event) -> Callable[[int], Coroutine[Any, Any, None]]:
+    """An ``admit`` for ``run_episodes``: the first ``first`` episodes start at once, the
+    rest once ``event`` is set (at most 120 s later)."""
+    started = 0
+
+    async def admit(n: int) -> None:
+        nonlocal started
+        started += n
+        if started > first:
+            await asyncio.wait_for(event.wait(), 120)
+
+    return admit
+
+
 class Chatter(Environment):
     """Multi-turn episodes without tools: the user always asks for more (3 turns)."""
 
@@ -605,15 +619,9 @@ async def test_pinned_episodes_never_see_a_version_change(make: Make, updates: l
             rolled.set()
             return await task
 
-        started = 0
-
-        async def admit(n: int) -> None:
-            # the first wave (12 slots) runs on version 0; the rest start once the roll has
-            # updated a replica, so both versions serve episodes however fast they run
-            nonlocal started
-            started += n
-            if started > 12:
-                await asyncio.wait_for(rolled.wait(), 120)
+        # the first wave (12 slots) runs on version 0; the rest start once the roll has
+        # updated a replica, so both versions serve episodes however fast they run
+        admit = admit_after(12, rolled)
 
         trajs, report = await run_episodes(
             fleet,
@@ -667,13 +675,7 @@ async def test_killed_replica_moves_its_calls_and_episodes_finish(
         # in flight after it however fast the first half ran (a fresh-clone run saw all 48
         # end during the rolling update)
         updated = asyncio.Event()
-        started = 0
-
-        async def admit(n: int) -> None:
-            nonlocal started
-            started += n
-            if started > 24:
-                await asyncio.wait_for(updated.wait(), 120)
+        admit = admit_after(24, updated)
 
         trajs, report = await run_episodes(fleet, traffic, kill, episodes=48, admit=admit)
         assert_quiet(fleet)

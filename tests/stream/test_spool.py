@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,17 @@ def test_acked_records_never_come_back_and_segments_are_deleted(tmp_path: Path) 
     assert segments(tmp_path) == []
 
 
+def finishes_alone(fn: Callable[[], list[object]]) -> list[object]:
+    """``fn()`` in another thread; fails if it does not return within 5 s (it waited for
+    a lock held by a stuck write or unlink)."""
+    done: list[object] = []
+    thread = threading.Thread(target=lambda: done.extend(fn()))
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "a read or an ack waited for the stuck file operation"
+    return done
+
+
 def read_back(parts: list[bytes | tuple[int, int, int]]) -> bytes:
     """What sendfile would send for ``payload_ranges``' parts."""
     return b"".join(p if isinstance(p, bytes) else os.pread(p[0], p[2], p[1]) for p in parts)
@@ -148,21 +160,16 @@ def test_reads_and_acks_go_on_while_an_append_is_writing(
         writer.start()
         try:
             assert entered.wait(10)
-            done: list[object] = []
 
-            def others() -> None:
+            def others() -> list[object]:
                 parts, fds = spool.payload_ranges(["t00000"], lambda rid: b"")
-                done.append(read_back(parts))
+                body = read_back(parts)
                 for fd in fds:
                     os.close(fd)
-                done.append(spool.ack(["t00000", "t00001"]))  # the segment has no live record
-                done.append(spool.statistics().records)
+                acked = spool.ack(["t00000", "t00001"])  # the segment has no live record
+                return [body, acked, spool.statistics().records]
 
-            reader = threading.Thread(target=others)
-            reader.start()
-            reader.join(5)
-            assert not reader.is_alive(), "a read or an ack waited for the write"
-            assert done == [records[0][1], 2, 0]
+            assert finishes_alone(others) == [records[0][1], 2, 0]
         finally:
             release.set()
             writer.join(10)
@@ -201,21 +208,16 @@ def test_collect_unlinks_outside_the_lock_and_keeps_the_acks_until_done(
         collector.start()
         try:
             assert entered.wait(10)
-            done: list[object] = []
 
-            def others() -> None:
+            def others() -> list[object]:
                 parts, fds = spool.payload_ranges(["t00110"], lambda rid: b"")
-                done.append(read_back(parts) == records[110][1])
+                same = read_back(parts) == records[110][1]
                 for fd in fds:
                     os.close(fd)
                 spool._compact_ack_log()  # refused while files are being unlinked
-                done.append(spool.statistics().ack_log_compactions)
+                return [same, spool.statistics().ack_log_compactions]
 
-            reader = threading.Thread(target=others)
-            reader.start()
-            reader.join(5)
-            assert not reader.is_alive(), "a read waited for collect's unlinks"
-            assert done == [True, 0]
+            assert finishes_alone(others) == [True, 0]
         finally:
             release.set()
             collector.join(10)
