@@ -7,11 +7,14 @@ trajectories delivered per second from the first publish to the last ack (the tr
 objects are built before the clock starts: the episodes' work, not the stream's);
 ``json_mb_per_s`` the same (msgpack bytes) with JSON bodies.  The limits are measured on the
 same bytes: a plain 127.0.0.1 socket copy and a sequential write + fsync on the spool's
-filesystem; ``limit = min`` of the two.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU
-seconds (user + system) each process used during the msgpack run, next to its wall time
-``seconds``: on a machine with few cores they show when the processes themselves, not the
-disk or the loopback, are what limits the stream.  Every run checks delivered == published,
-each id exactly once, and an empty spool at the end.
+filesystem; ``limit = min`` of the two.  The msgpack stream runs ``repeats`` times (default
+3), each run right after its own limit measurements, and every figure is the median over the
+runs (``runs=`` in the line), as timings on shared machines drift and jump; the JSON stream
+runs once.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU seconds (user + system) each
+process used during the median msgpack run, next to its wall time ``seconds``: on a machine
+with few cores they show when the processes themselves, not the disk or the loopback, are
+what limits the stream.  Every run checks delivered == published, each id exactly once, and
+an empty spool at the end.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from agentroll.stream.client import StreamClient, WireFormat
 from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
 from agentroll.types import Message, ToolCall, Trajectory, Turn, encode_msgpack
 
-REPEATS = 3  # cheap limit measurements: median of this many
+REPEATS = 3  # timed msgpack runs (each with its own limit measurements): medians of this many
 POOL = 64  # distinct trajectories; runs publish copies under fresh ids
 CAPACITY = 4096  # worker buffer capacity (trajectories)
 _MB = 1e6
@@ -115,9 +118,10 @@ class StreamBenchResult:
     json_mb_per_s: float
     raw_tcp_mb_per_s: float
     disk_mb_per_s: float
-    seconds: float = math.nan  # wall time of the msgpack run
+    seconds: float = math.nan  # wall time of the median msgpack run
     worker_cpu_s: float = math.nan  # CPU of the worker process during it (nan: not on Linux)
     consumer_cpu_s: float = math.nan  # CPU of this (consuming) process during it
+    runs: int = 1  # msgpack runs the medians are taken over
 
     @property
     def limit_mb_per_s(self) -> float:
@@ -129,7 +133,7 @@ class StreamBenchResult:
             f"json_mb_per_s={self.json_mb_per_s:.1f} raw_tcp_mb_per_s={self.raw_tcp_mb_per_s:.1f} "
             f"disk_mb_per_s={self.disk_mb_per_s:.1f} limit_mb_per_s={self.limit_mb_per_s:.1f} "
             f"seconds={self.seconds:.2f} worker_cpu_s={self.worker_cpu_s:.2f} "
-            f"consumer_cpu_s={self.consumer_cpu_s:.2f}"
+            f"consumer_cpu_s={self.consumer_cpu_s:.2f} runs={self.runs}"
         )
 
 
@@ -305,70 +309,83 @@ def run_stream_bench(
     lease_max: int = 256,
     publishers: int = 16,
     json_fraction: float = 0.25,
+    repeats: int = REPEATS,
     directory: str | Path | None = None,
     progress: bool = True,
 ) -> StreamBenchResult:
-    """Stream ``trajectories`` of ``tokens`` tokens end to end with msgpack bodies, then
-    ``json_fraction`` as many with JSON bodies, and measure the loopback and disk limits on
-    the same number of bytes.  ``directory`` holds the spool (default: a temporary one).
-    Progress goes to stderr.  Raises ``ConfigError`` for bad sizes, ``AssertionError`` if a
-    trajectory is lost or delivered twice, ``RuntimeError`` if the worker process fails."""
-    if min(trajectories, tokens, group_size, lease_max, publishers) < 1:
+    """Stream ``trajectories`` of ``tokens`` tokens end to end with msgpack bodies
+    ``repeats`` times, each run next to a measurement of the loopback and disk limits on the
+    same number of bytes, then ``json_fraction`` as many with JSON bodies once.  Each figure
+    is the median over the repeats (``seconds`` and the CPU figures: of the median run).
+    ``directory`` holds the spool (default: a temporary one).  Progress goes to stderr.
+    Raises ``ConfigError`` for bad sizes, ``AssertionError`` if a trajectory is lost or
+    delivered twice, ``RuntimeError`` if the worker process fails."""
+    if min(trajectories, tokens, group_size, lease_max, publishers, repeats) < 1:
         raise ConfigError(
-            "trajectories, tokens, group_size, lease_max and publishers must all be >= 1"
+            "trajectories, tokens, group_size, lease_max, publishers and repeats must all be >= 1"
         )
     if not 0 < json_fraction <= 1:
         raise ConfigError(f"json_fraction={json_fraction}; use a value in (0, 1]")
     if lease_max > CAPACITY:
         raise ConfigError(f"lease_max={lease_max}; use at most {CAPACITY}")
+    if repeats > 9:
+        raise ConfigError(f"repeats={repeats}; use at most 9")
     n = max(group_size, trajectories - trajectories % group_size)
     n_json = max(group_size, int(n * json_fraction) // group_size * group_size)
     pool = _pool(POOL, tokens, turns)
-    # trajectory i of a run is pool[i % POOL] under ids of a fixed width: its msgpack size
-    # is sizes[fmt][i % POOL] exactly
-    sizes = {
-        fmt: [len(encode_msgpack(_instance(pool, fmt, i, group_size))) for i in range(len(pool))]
-        for fmt in ("msgpack", "json")
-    }
-    records = [encode_msgpack(_instance(pool, "msgpack", i, group_size)) for i in range(len(pool))]
-    total = sum(sizes["msgpack"][i % len(pool)] for i in range(n))
+    # run r publishes ids "m<r>-..." (msgpack) and the JSON run "js-...": every prefix has the
+    # same length, so trajectory i of any run is pool[i % POOL] with a msgpack size of
+    # sizes[i % POOL] exactly
+    records = [encode_msgpack(_instance(pool, "js", i, group_size)) for i in range(POOL)]
+    sizes = [len(r) for r in records]
+    total = sum(sizes[i % POOL] for i in range(n))
     mode: ProgressMode = "auto" if progress else "off"
+    plan: list[tuple[str, WireFormat, int]] = [(f"m{r}", "msgpack", n) for r in range(repeats)]
+    plan.append(("js", "json", n_json))
     with tempfile.TemporaryDirectory(dir=directory, prefix="agentroll-bench-stream-") as tmp:
         root = Path(tmp)
-        tcp = statistics.median(
-            _tcp_copy_mb_per_s(b"".join(records), total) for _ in range(REPEATS)
-        )
-        disk = statistics.median(_disk_mb_per_s(records, total, root) for _ in range(REPEATS))
         args = (str(root / "spool"), tokens, turns, group_size, publishers)
         code = f"from agentroll.bench_stream import worker_main; worker_main{args!r}"
         proc = subprocess.Popen(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
+        runs: list[_Run] = []
         try:
             assert proc.stdin is not None and proc.stdout is not None
             line = proc.stdout.readline().split()
             if len(line) != 2 or line[0] != "url":
                 raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
             url = line[1]
-            runs: dict[str, tuple[float, int]] = {}
-            cpu: dict[str, tuple[float, float]] = {}
-            plan: tuple[tuple[WireFormat, int], ...] = (("msgpack", n), ("json", n_json))
-            for fmt, count in plan:
-                bar = Progress(f"stream {fmt}", count, mode=mode)
+            for k, (prefix, fmt, count) in enumerate(plan):
+                limits = (math.nan, math.nan)
+                if fmt == "msgpack":  # the limits of this run, measured right before it
+                    limits = (
+                        _tcp_copy_mb_per_s(b"".join(records), total),
+                        _disk_mb_per_s(records, total, root),
+                    )
+                label = f"stream {fmt}" + (f" {k + 1}/{repeats}" if fmt == "msgpack" else "")
+                bar = Progress(label, count, mode=mode)
                 try:
-                    proc.stdin.write(f"prepare {fmt} {count}\n")
+                    proc.stdin.write(f"prepare {prefix} {count}\n")
                     proc.stdin.flush()
                     if proc.stdout.readline().split() != ["prepared", str(count)]:
                         raise RuntimeError("the bench worker did not prepare its trajectories")
                     worker0, consumer0 = _process_cpu_s(proc.pid), time.process_time()
                     start = time.perf_counter()
-                    proc.stdin.write(f"publish {fmt} {count}\n")
+                    proc.stdin.write(f"publish {prefix} {count}\n")
                     proc.stdin.flush()
-                    nbytes = asyncio.run(_consume(url, fmt, count, sizes[fmt], lease_max, bar))
-                    runs[fmt] = (time.perf_counter() - start, nbytes)
-                    cpu[fmt] = (
-                        _process_cpu_s(proc.pid) - worker0,
-                        time.process_time() - consumer0,
+                    nbytes = asyncio.run(_consume(url, fmt, count, sizes, lease_max, bar))
+                    seconds = time.perf_counter() - start
+                    runs.append(
+                        _Run(
+                            fmt,
+                            count,
+                            seconds,
+                            nbytes,
+                            _process_cpu_s(proc.pid) - worker0,
+                            time.process_time() - consumer0,
+                            *limits,
+                        )
                     )
                 finally:
                     bar.close()
@@ -382,20 +399,41 @@ def run_stream_bench(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    seconds, nbytes = runs["msgpack"]
-    json_seconds, json_bytes = runs["json"]
+    stream = [r for r in runs if r.fmt == "msgpack"]
+    # the lower median for an even count: never the better of two runs
+    median = sorted(stream, key=lambda r: r.mb_per_s)[(len(stream) - 1) // 2]
+    json_run = next(r for r in runs if r.fmt == "json")
     return StreamBenchResult(
         published=n,
         delivered=n,
-        traj_per_s=n / seconds,
-        mb_per_s=nbytes / seconds / _MB,
-        json_mb_per_s=json_bytes / json_seconds / _MB,
-        raw_tcp_mb_per_s=tcp,
-        disk_mb_per_s=disk,
-        seconds=seconds,
-        worker_cpu_s=cpu["msgpack"][0],
-        consumer_cpu_s=cpu["msgpack"][1],
+        traj_per_s=median.count / median.seconds,
+        mb_per_s=median.mb_per_s,
+        json_mb_per_s=json_run.mb_per_s,
+        raw_tcp_mb_per_s=statistics.median(r.tcp_mb_per_s for r in stream),
+        disk_mb_per_s=statistics.median(r.disk_mb_per_s for r in stream),
+        seconds=median.seconds,
+        worker_cpu_s=median.worker_cpu_s,
+        consumer_cpu_s=median.consumer_cpu_s,
+        runs=len(stream),
     )
+
+
+@dataclass
+class _Run:
+    """One timed run of ``run_stream_bench`` and the limits measured right before it."""
+
+    fmt: WireFormat
+    count: int
+    seconds: float
+    nbytes: int
+    worker_cpu_s: float
+    consumer_cpu_s: float
+    tcp_mb_per_s: float
+    disk_mb_per_s: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.nbytes / self.seconds / _MB
 
 
 def main_stream(trajectories: int, tokens: int) -> None:

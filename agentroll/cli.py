@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:  # httpx logs one INFO line per request (a stream client makes many)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if args.command == "bench" and args.bench == "overhead":
             from agentroll.bench import main_overhead

@@ -22,20 +22,29 @@ KEYS = [
     "seconds",
     "worker_cpu_s",
     "consumer_cpu_s",
+    "runs",
 ]
 
 
 @pytest.mark.slow  # starts a worker process (imports torch through the weights server)
 def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> None:
     result = run_stream_bench(
-        48, 64, group_size=4, lease_max=8, publishers=3, directory=tmp_path, progress=False
+        48,
+        64,
+        group_size=4,
+        lease_max=8,
+        publishers=3,
+        repeats=2,
+        directory=tmp_path,
+        progress=False,
     )
-    assert result.delivered == result.published == 48
+    assert result.delivered == result.published == 48 and result.runs == 2
     pairs = [field.split("=") for field in result.line().split()]
     assert [k for k, _ in pairs] == KEYS
     values = {k: float(v) for k, v in pairs}
     # CPU in clock ticks and the wall time to 10 ms: a tiny run may round to 0
     small = {k: values.pop(k) for k in ("seconds", "worker_cpu_s", "consumer_cpu_s")}
+    assert values.pop("runs") == 2
     assert all(v > 0 for v in values.values())
     assert all(0 <= v < 60 for v in small.values())
     assert values["limit_mb_per_s"] == min(values["raw_tcp_mb_per_s"], values["disk_mb_per_s"])
@@ -52,3 +61,5 @@ def test_synthetic_trajectories_are_realistic_and_round_trip() -> None:
         synthetic_trajectory(0, 4, turns=4)
     with pytest.raises(ConfigError, match="json_fraction"):
         run_stream_bench(8, 64, json_fraction=0)
+    with pytest.raises(ConfigError, match="repeats"):
+        run_stream_bench(8, 64, repeats=0)
