@@ -122,3 +122,21 @@ def test_strided_array_views_round_trip_as_their_values(fmt: str) -> None:
     assert not t.token_ids.flags.c_contiguous and not t.policy_version.flags.c_contiguous
     enc, dec = (encode_msgpack, decode_msgpack) if fmt == "msgpack" else (encode_json, decode_json)
     _assert_same(t, dec(enc(t), Trajectory))
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(6, dtype=">i4"),  # big-endian: written little-endian
+        np.arange(12, dtype=np.float32)[::3],  # strided view: its values
+        np.arange(6, dtype=np.int64).reshape(2, 3).T,  # Fortran order: C-order values
+        np.array([True, False, True]),
+        np.arange(5, dtype=np.float16),
+        np.array([-1, 7], dtype="<i4"),
+    ],
+)
+def test_any_array_encodes_as_its_little_endian_c_order_values(arr: np.ndarray) -> None:
+    wire = msgspec.msgpack.decode(encode_msgpack({"a": arr}))["a"]
+    want = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"))
+    assert wire["dtype"] == want.dtype.str
+    assert wire["data"] == want.tobytes()
