@@ -3,7 +3,7 @@
 Runs calculator episodes on the tiny model with the built-in engine over ``--replicas``
 in-process replicas, performs ``--syncs`` real delta updates (SyntheticTrainer) at seeded
 random moments (when the fleet has streamed a random number of tokens, between 5% and 85% of
-the run's, so generations are always in flight), and prints one final line::
+the ``--episodes`` episodes' tokens), and prints one final line::
 
     strategy=S policy=P episodes_restarted=N tokens_discarded=N tokens_recomputed=N
     pause_p50_ms=F pause_p99_ms=F busy_fraction_during_sync=F lost=N
@@ -11,8 +11,12 @@ the run's, so generations are always in flight), and prints one final line::
 ``pause_*``: how long each replica stood paused per sync (stop at a token boundary ->
 resumed); ``busy_fraction_during_sync``: replica-time spent in forward passes while a sync
 was in progress, over all syncs; ``lost``: episodes that did not come back ``ok`` or
-``truncated``.  A line before it gives the mean engine step, the reference for the pause
-target (one decode step + 50 ms).  Replicas run with a prefill budget of
+``truncated``.  Every sync must run while the fleet generates, so the run keeps admitting
+episodes (``--episodes`` at a time) until the last sync is done: syncs take longer than a
+fast engine takes to finish the first ``--episodes``, and a sync of an idle fleet would
+count as busy 0.  A line before it gives the mean engine step, the reference for the pause
+target (one decode step + 50 ms), the episodes run and the syncs that found generations in
+flight (a warning says when one did not).  Replicas run with a prefill budget of
 ``--prefill-budget`` tokens per step (512), which bounds every step, so a pause does not
 wait long for the step in flight even when ``recompute`` re-prefills every request.
 """
@@ -23,10 +27,15 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from agentroll.backends.base import ResumePolicy, SamplingParams
+
+#: the run admits episodes beyond ``--episodes`` while syncs are still to come, up to this
+#: many times as many
+_MAX_EPISODES_FACTOR = 20
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -125,7 +134,9 @@ async def _run(
         sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True),
         progress="off",
     )
-    tasks = (list(env.tasks()) * (episodes // max(1, len(list(env.tasks()))) + 1))[:episodes]
+    pool = list(env.tasks())
+    started = 0  # episodes handed to the engine
+    loaded: list[bool] = []  # per sync: were generations in flight when it started?
     trajs: list[Any] = []
     t_start = time.perf_counter()
     async with fleet:
@@ -143,11 +154,25 @@ async def _run(
                 for at, update in zip(triggers, updates, strict=True):
                     while fleet.stats.tokens < at:  # noqa: ASYNC110 - polls a counter
                         await asyncio.sleep(0.001)
+                    loaded.append(any(fleet.calls_on(n) for n in fleet.replicas))
                     done.append(await fleet.update(update, policies=engine.pauses.policies))
                 return done
 
             sync_task = asyncio.create_task(syncer())
-            async for traj in engine.run(tasks):
+
+            def tasks() -> Iterator[Any]:
+                """``episodes`` tasks, then more while syncs are still to come (at most
+                ``_MAX_EPISODES_FACTOR`` times as many): every sync then runs while the fleet
+                generates.  Without it a fast engine ends the episodes' generations before
+                the later triggers, and those syncs time an idle fleet (busy 0)."""
+                nonlocal started
+                while started < episodes or (
+                    not sync_task.done() and started < _MAX_EPISODES_FACTOR * episodes
+                ):
+                    started += 1
+                    yield pool[(started - 1) % len(pool)]
+
+            async for traj in engine.run(tasks()):
                 trajs.append(traj)
             reports = await sync_task
         steps = [await r.steps() for r in reps]
@@ -166,7 +191,15 @@ async def _run(
         else float("nan")
     )
     step_ms = 1e3 * sum(busy) / max(1, sum(steps))
-    lost = episodes - sum(1 for t in trajs if t.status in ("ok", "truncated"))
+    lost = started - sum(1 for t in trajs if t.status in ("ok", "truncated"))
+    under_load = sum(loaded)
+    if under_load < len(reports) and verbose:
+        print(
+            f"warning: {len(reports) - under_load} of {len(reports)} syncs started with no "
+            f"generation in flight (after {started} episodes); their busy fraction is 0: "
+            "use more --episodes or fewer --syncs",
+            flush=True,
+        )
     st = fleet.stats
     result = {
         "strategy": strategy,
@@ -181,6 +214,8 @@ async def _run(
         "lost": lost,
         "mean_step_ms": step_ms,
         "syncs": len(reports),
+        "syncs_under_load": under_load,
+        "episodes_run": started,
         "migrated": st.migrated,
         "wall_s": wall,
         "failed_updates": sum(len(r.failed) for r in reports),
@@ -188,7 +223,8 @@ async def _run(
     }
     if verbose:
         print(
-            f"info: kind={kind} in_flight={in_flight} replicas={replicas} episodes={episodes} syncs={len(reports)} "
+            f"info: kind={kind} in_flight={in_flight} replicas={replicas} episodes={episodes} "
+            f"episodes_run={started} syncs={len(reports)} syncs_under_load={under_load} "
             f"mean_step_ms={step_ms:.1f} pause_target_ms={step_ms + 50:.1f} "
             f"step_fraction_during_sync={step_frac:.3f} "
             f"sync_p50_s={result['sync_p50_s']:.3f} migrated={st.migrated} failed_updates={result['failed_updates']} wall_s={wall:.1f}",

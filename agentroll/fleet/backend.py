@@ -432,7 +432,9 @@ class FleetBackend(Backend):
         if call.request.request_id not in self._calls:
             return False
         snap = snap.truncated(call.delivered)
-        if snap.k is None:
+        if snap.k is None and not with_kv:
+            # its KV stays behind and is computed again there; asked for with its KV and
+            # without any, the call had not been prefilled yet: moving it costs nothing
             self.stats.tokens_recomputed += call.prompt_len + call.delivered
         self.router.finished(src.name)
         call.replica = None
