@@ -151,10 +151,19 @@ async def _run(
             async def syncer() -> list[Any]:
                 """Sync whenever the fleet has streamed the next trigger's token count."""
                 done = []
+
+                def generating() -> bool:
+                    return any(fleet.calls_on(n) for n in fleet.replicas)
+
                 for at, update in zip(triggers, updates, strict=True):
                     while fleet.stats.tokens < at:  # noqa: ASYNC110 - polls a counter
                         await asyncio.sleep(0.001)
-                    loaded.append(any(fleet.calls_on(n) for n in fleet.replicas))
+                    # at a moment when a generation is in flight (every episode may be in a
+                    # tool call at the trigger); not forever: a stalled fleet is reported
+                    deadline = time.perf_counter() + 10.0
+                    while not generating() and time.perf_counter() < deadline:  # noqa: ASYNC110
+                        await asyncio.sleep(0.001)
+                    loaded.append(generating())
                     done.append(await fleet.update(update, policies=engine.pauses.policies))
                 return done
 
