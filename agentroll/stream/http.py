@@ -84,13 +84,14 @@ class FileRange:
 class Response:
     """Status, headers and a body made of byte strings and file ranges, sent in order.
     ``fds``: descriptors the response owns (its ranges' files, typically ``dup``s), closed
-    once it was sent or failed."""
+    once it was sent or failed; ``on_close`` is called then too (once)."""
 
     status: int = 200
     parts: Sequence[bytes | memoryview | FileRange] = ()
     content_type: str | None = None
     headers: Sequence[tuple[str, str]] = ()
     fds: Sequence[int] = ()
+    on_close: Callable[[], None] | None = None
 
     @classmethod
     def text(cls, status: int, text: str, headers: Sequence[tuple[str, str]] = ()) -> Response:
@@ -106,11 +107,14 @@ class Response:
         )
 
     def close_files(self) -> None:
-        """Close ``fds`` (idempotent)."""
+        """Close ``fds`` and call ``on_close`` (idempotent)."""
         fds, self.fds = self.fds, ()
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
 
 
 Handler = Callable[["Request"], Awaitable[Response]]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -443,7 +444,8 @@ class TrajectoryStream:
         found, fds = self.spool.payload_ranges(list(by_id), lambda rid: encode_msgpack(by_id[rid]))
         parts: list[bytes | memoryview | FileRange] = [head]
         parts += [p if isinstance(p, bytes) else FileRange(*p) for p in found]
-        return Response(200, parts, MSGPACK, fds=fds)
+        # the descriptors go back to the spool once sent: until then their files are not reused
+        return Response(200, parts, MSGPACK, on_close=functools.partial(self.spool.release, fds))
 
     async def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge trajectories: they leave the buffer and, durably before this returns,

@@ -4,7 +4,12 @@ A directory of append-only segment files plus an ack log.  Invariants: a record 
 once ``flush`` returned (written and fsync'd); on open every segment is scanned and a torn or
 corrupt tail (partial frame, bad magic, bad xxh3) is truncated, counted and logged, so what
 ``pending`` yields always passed its checksum; an acknowledged record is never yielded again,
-and a segment whose records are all acknowledged is deleted once the ack is durable.
+and a segment whose records are all acknowledged is deleted once the ack is durable, or
+its file is kept for reuse (``SpoolConfig.recycle_segments``): a new segment then overwrites
+blocks that are already allocated, so an fsync writes data without a journal commit for the
+file's size and blocks.  A recycled file still holds its old records past the new ones; each
+record's frame carries a tag and an xxh3 seed taken from its segment's number (numbers are
+never reused), so an old record never passes the check in its new segment.
 Methods are synchronous and thread-safe: one lock guards the index and is held for little
 file I/O (the ack log's small writes, a rollover, the fsync of ``ack(sync=True)``); appends
 take turns on a second lock and write outside the first, so a read or an ack never waits
@@ -13,6 +18,7 @@ for an append's write, nor for ``collect``'s unlinks.  Async callers run them in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -31,8 +37,10 @@ from agentroll.types import Trajectory, encode_msgpack
 
 logger = logging.getLogger("agentroll.stream.spool")
 
-#: record frame: magic, payload length, id length, reserved, xxh3-64 of (bytes 4..12, id,
-#: payload); then the id (utf-8) and the payload (``encode_msgpack(trajectory)``)
+#: record frame: magic, payload length, id length, tag, xxh3-64 of (bytes 4..12, id,
+#: payload); then the id (utf-8) and the payload (``encode_msgpack(trajectory)``).  Tag 0:
+#: the xxh3 is unseeded (spools written before segments were recycled); else the tag is
+#: ``_tag(segment number)`` and the xxh3 is seeded with that number
 RECORD_MAGIC = b"ARS\x01"
 _RECORD = struct.Struct("<4sIHHQ")
 #: ack frame: magic, payload length, xxh3-64 of (bytes 4..8, payload); payload = msgpack ids
@@ -44,6 +52,12 @@ _SEGMENT_SUFFIX = ".seg"
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_ID_BYTES = (1 << 16) - 1
 _WRITEV_RECORDS = 300  # 3 buffers per record: under IOV_MAX (1024)
+_FREE_SUFFIX = ".free"  # a fully acknowledged segment's file kept for reuse
+
+
+def _tag(number: int) -> int:
+    """The frame tag of records in segment ``number`` (never 0)."""
+    return 0x8000 | (number & 0x7FFF)
 
 
 class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,17 +67,26 @@ class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     smaller segments free disk sooner after acks.  ``sync_every``: when > 0, ``append``
     flushes by itself after this many unflushed records (0: only explicit ``flush`` calls).
     ``compact_ack_log_bytes``: the ack log is rewritten (only the acks still needed) when it
-    grows past this size."""
+    grows past this size.  ``recycle_segments``: how many fully acknowledged segment files
+    are kept (renamed, their disk blocks still allocated) for new segments to overwrite
+    instead of being deleted; 0 deletes them all.  Overwriting allocated blocks makes an
+    append + fsync cheaper (no block allocation, no journal commit of the file's size; 730
+    MB in 1.4 MB rounds: 0.21 s against 0.57 s here), at the cost of that much disk."""
 
     segment_bytes: int = 64 << 20
     sync_every: int = 0
     compact_ack_log_bytes: int = 4 << 20
+    recycle_segments: int = 4
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 4096:
             raise ConfigError(f"SpoolConfig.segment_bytes={self.segment_bytes}; use >= 4096")
         if self.sync_every < 0:
             raise ConfigError(f"SpoolConfig.sync_every={self.sync_every}; use 0 (off) or >= 1")
+        if self.recycle_segments < 0:
+            raise ConfigError(
+                f"SpoolConfig.recycle_segments={self.recycle_segments}; use 0 (delete) or more"
+            )
         if self.compact_ack_log_bytes < 1024:
             raise ConfigError(
                 f"SpoolConfig.compact_ack_log_bytes={self.compact_ack_log_bytes}; use >= 1024"
@@ -94,38 +117,50 @@ class SpoolRecord(msgspec.Struct, frozen=True):
 
 
 class _Segment:
-    __slots__ = ("acked", "live", "number", "path", "size")
+    __slots__ = ("acked", "live", "number", "path", "recyclable", "size")
 
-    def __init__(self, number: int, path: Path, size: int) -> None:
+    def __init__(self, number: int, path: Path, size: int, *, recyclable: bool = True) -> None:
         self.number = number
         self.path = path
         self.size = size
         self.live = 0  # unacknowledged records
         self.acked: set[str] = set()  # acknowledged ids still stored here (for compaction)
+        # only tagged records in the file: reusable (an untagged old record would pass its
+        # unseeded check again past the new records)
+        self.recyclable = recyclable
 
 
-def _record_checksum(header_tail: bytes, rid: bytes, payload: bytes | memoryview) -> int:
-    h = xxhash.xxh3_64(header_tail)
+def _record_checksum(
+    header_tail: bytes, rid: bytes, payload: bytes | memoryview, seed: int = 0
+) -> int:
+    h = xxhash.xxh3_64(header_tail, seed=seed)
     h.update(rid)
     h.update(payload)
     return h.intdigest()
 
 
-def encode_record(traj_id: str, payload: bytes) -> bytes:
-    """One framed record (exposed for tests that forge torn or corrupt files)."""
-    return b"".join(_frame_parts(traj_id, payload))
+def encode_record(traj_id: str, payload: bytes, segment: int | None = None) -> bytes:
+    """One framed record for segment number ``segment`` (None: the untagged format of older
+    spools); exposed for tests that forge torn, corrupt or stale files."""
+    rid = _record_id(traj_id, payload)
+    return _frame_head(rid, payload, segment) + rid + payload
 
 
-def _frame_parts(traj_id: str, payload: bytes) -> tuple[bytes, bytes, bytes]:
+def _record_id(traj_id: str, payload: bytes) -> bytes:
     rid = traj_id.encode()
     if len(rid) > MAX_ID_BYTES or len(payload) > MAX_PAYLOAD:
         raise ValueError(
             f"record {traj_id[:40]!r} too large for the spool frame (id {len(rid)} bytes, "
             f"payload {len(payload)} bytes; limits {MAX_ID_BYTES} and {MAX_PAYLOAD})"
         )
-    tail = struct.pack("<IHH", len(payload), len(rid), 0)
-    digest = _record_checksum(tail, rid, payload)
-    return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), 0, digest), rid, payload
+    return rid
+
+
+def _frame_head(rid: bytes, payload: bytes, segment: int | None) -> bytes:
+    tag, seed = (0, 0) if segment is None else (_tag(segment), segment)
+    tail = struct.pack("<IHH", len(payload), len(rid), tag)
+    digest = _record_checksum(tail, rid, payload, seed)
+    return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), tag, digest)
 
 
 def _encode_ack(ids: list[str]) -> bytes:
@@ -135,30 +170,35 @@ def _encode_ack(ids: list[str]) -> bytes:
     return _ACK.pack(ACK_MAGIC, len(payload), digest) + payload
 
 
-def _scan_records(data: bytes) -> tuple[list[tuple[str, int, int]], int, int]:
-    """Parse a segment: ``([(id, payload_offset, payload_len)], good_end, torn_records)``;
-    ``good_end`` is the end of the last intact frame (everything after it is dropped)."""
+def _scan_records(data: bytes, number: int) -> tuple[list[tuple[str, int, int]], int, int, bool]:
+    """Parse segment ``number``: ``([(id, payload_offset, payload_len)], good_end,
+    torn_records, untagged)``; ``good_end`` is the end of the last intact frame (everything
+    after it is dropped: a torn write, or the old records of a recycled file, whose tag and
+    seed are another segment's); ``untagged``: records of the older, untagged format."""
     view = memoryview(data)
     out: list[tuple[str, int, int]] = []
     pos = 0
+    untagged = False
     while pos < len(data):
         if len(data) - pos < _RECORD.size:
-            return out, pos, 1
-        magic, length, id_len, _, digest = _RECORD.unpack_from(data, pos)
+            return out, pos, 1, untagged
+        magic, length, id_len, tag, digest = _RECORD.unpack_from(data, pos)
         start = pos + _RECORD.size
         end = start + id_len + length
-        if magic != RECORD_MAGIC or end > len(data):
-            return out, pos, 1
+        if magic != RECORD_MAGIC or end > len(data) or tag not in (0, _tag(number)):
+            return out, pos, 1, untagged
         rid = bytes(view[start : start + id_len])
         payload = view[start + id_len : end]
-        if _record_checksum(bytes(view[pos + 4 : pos + 12]), rid, payload) != digest:
-            return out, pos, 1
+        seed = number if tag else 0
+        if _record_checksum(bytes(view[pos + 4 : pos + 12]), rid, payload, seed) != digest:
+            return out, pos, 1, untagged
         try:
             out.append((rid.decode(), start + id_len, length))
         except UnicodeDecodeError:
-            return out, pos, 1
+            return out, pos, 1, untagged
+        untagged = untagged or not tag
         pos = end
-    return out, pos, 0
+    return out, pos, 0, untagged
 
 
 def _scan_acks(data: bytes) -> tuple[list[str], int]:
@@ -248,6 +288,9 @@ class Spool:
         self._writing: _Segment | None = None  # the segment an append is writing to
         self._unlinking = 0  # forgotten segments whose files collect() is deleting
         self._read_fds: dict[int, int] = {}  # segment -> O_RDONLY fd (reading payloads)
+        self._lent: dict[int, int] = {}  # fd -> segment, dups payload_ranges handed out
+        self._free: list[Path] = []  # files of acknowledged segments kept for reuse
+        self._freeing = 0  # ... and ones collect() is renaming into that pool
         self._next_segment = 1
         self._ack_dirty = False
         self._closed = False
@@ -268,6 +311,19 @@ class Spool:
             acked.update(ids)
             if good < len(data):
                 self._truncate(ack_path, good, len(data) - good, "ack log")
+        # reusable files: their numbers are never given again (their old records are tagged
+        # with them); beyond the pool's size they are deleted
+        free = sorted(
+            (int(p.name[: -len(_FREE_SUFFIX)]), p)
+            for p in self.path.glob(f"*{_FREE_SUFFIX}")
+            if p.name[: -len(_FREE_SUFFIX)].isdigit()
+        )
+        for number, _ in free:
+            self._next_segment = max(self._next_segment, number + 1)
+        keep = len(free) - self.config.recycle_segments
+        for _, free_path in free[: max(0, keep)]:
+            free_path.unlink(missing_ok=True)
+        self._free = [free_path for _, free_path in free[max(0, keep) :]]
         numbers = sorted(
             int(p.name[: -len(_SEGMENT_SUFFIX)])
             for p in self.path.glob(f"*{_SEGMENT_SUFFIX}")
@@ -276,7 +332,7 @@ class Spool:
         for number in numbers:
             seg_path = self._segment_path(number)
             data = seg_path.read_bytes()
-            records, good, torn = _scan_records(data)
+            records, good, torn, untagged = _scan_records(data, number)
             if good < len(data):
                 self._stats.torn_records_dropped += torn
                 self._truncate(seg_path, good, len(data) - good, "segment")
@@ -286,14 +342,14 @@ class Spool:
                 with open(seg_path, "rb") as f:
                     os.fsync(f.fileno())
                 self._stats.fsyncs += 1
-            seg = self._segments[number] = _Segment(number, seg_path, good)
+            seg = self._segments[number] = _Segment(number, seg_path, good, recyclable=not untagged)
             for rid, offset, length in records:
                 if rid in acked:
                     seg.acked.add(rid)
                 elif rid not in self._pending:
                     seg.live += 1
                     self._pending[rid] = (number, offset, length)
-            self._next_segment = number + 1
+            self._next_segment = max(self._next_segment, number + 1)
         self._ack_fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._stats.ack_log_bytes = os.fstat(self._ack_fd).st_size
         # acks written by a killed process may sit in the page cache only: make them durable
@@ -341,14 +397,14 @@ class Spool:
         the GIL up a few times, not once per record (each time it waits up to the switch
         interval to get it back).  Raises ``ValueError``, with nothing written, if an id is
         already pending or repeated, or a record is too large."""
-        framed: list[tuple[str, tuple[bytes, bytes, bytes]]] = []
+        framed: list[tuple[str, bytes, bytes]] = []  # (id, id as utf-8, payload)
         for item in items:
             if isinstance(item, Trajectory):
                 rid, payload = item.id, encode_msgpack(item)
             else:
                 rid, payload = item
-            framed.append((rid, _frame_parts(rid, payload)))
-        if len({rid for rid, _ in framed}) != len(framed):
+            framed.append((rid, _record_id(rid, payload), payload))
+        if len({rid for rid, _, _ in framed}) != len(framed):
             raise ValueError("the same trajectory id twice in one append; ids must be unique")
         limit = self.config.segment_bytes
         auto = False
@@ -357,7 +413,7 @@ class Spool:
         with self._append_lock:
             with self._lock:
                 self._check_open()
-                dup = next((rid for rid, _ in framed if rid in self._pending), None)
+                dup = next((rid for rid, _, _ in framed if rid in self._pending), None)
                 if dup is not None:
                     raise ValueError(
                         f"trajectory {dup!r} is already in the spool; ids must be unique"
@@ -372,17 +428,23 @@ class Spool:
                     assert self._fd is not None
                     j, end = i, seg.size
                     while j < len(framed) and j - i < _WRITEV_RECORDS and (j == i or end < limit):
-                        end += sum(len(p) for p in framed[j][1])
+                        end += _RECORD.size + len(framed[j][1]) + len(framed[j][2])
                         j += 1
                     fd = os.dup(self._fd)  # an ack may delete the segment and close _fd
                     self._writing = seg  # ... but not this one: _collect skips it
-                parts = [p for _, record in framed[i:j] for p in record]
+                # frames are tagged with the segment's number (known only now)
+                parts: list[bytes] = []
+                for _, rid_bytes, payload in framed[i:j]:
+                    parts += (_frame_head(rid_bytes, payload, seg.number), rid_bytes, payload)
                 try:
-                    written = os.writev(fd, parts)
+                    # at the segment's end, not the file's: a recycled file is longer
+                    written = os.pwritev(fd, parts, seg.size)
                     if written < end - seg.size:  # a short write (signal, full disk)
                         rest = b"".join(parts)[written:]
+                        at = seg.size + written
                         while rest:
-                            rest = rest[os.write(fd, rest) :]
+                            n = os.pwrite(fd, rest, at)
+                            rest, at = rest[n:], at + n
                 except BaseException:
                     with self._lock:  # a partial record may end the segment: start a new one
                         self._writing = None
@@ -393,13 +455,13 @@ class Spool:
                 with self._lock:
                     self._writing = None
                     offset = seg.size
-                    for rid, (head, rid_bytes, payload) in framed[i:j]:
+                    for rid, rid_bytes, payload in framed[i:j]:
                         self._pending[rid] = (
                             seg.number,
-                            offset + len(head) + len(rid_bytes),
+                            offset + _RECORD.size + len(rid_bytes),
                             len(payload),
                         )
-                        offset += len(head) + len(rid_bytes) + len(payload)
+                        offset += _RECORD.size + len(rid_bytes) + len(payload)
                         self._unflushed.add(rid)
                     seg.live += j - i
                     self._stats.appended += j - i
@@ -417,18 +479,39 @@ class Spool:
             # every unflushed record lives in the active segment
             os.fdatasync(self._fd)
             self._stats.fsyncs += 1
+            self._trim(self._fd, self._active)
             os.close(self._fd)
             self._fd = None
             self._unflushed.clear()
         number = self._next_segment
         self._next_segment += 1
         path = self._segment_path(number)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+        if self._free:  # overwrite a file whose blocks are allocated (see SpoolConfig)
+            os.rename(self._free.pop(), path)
+            self._fd = os.open(path, os.O_WRONLY)
+        else:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _preallocate(self._fd, self.config.segment_bytes)
         _fsync_dir(self.path)  # the new file's name is durable before any record in it
         seg = self._active = self._segments[number] = _Segment(number, path, 0)
         self._stats.segments = len(self._segments)
         return seg
+
+    @staticmethod
+    def _trim(fd: int, seg: _Segment | None) -> None:
+        """Cut a recycled file's old records past ``seg``'s own (they would fail their checks
+        at the next open anyway, but be reported as a torn tail)."""
+        if seg is not None and os.fstat(fd).st_size > seg.size:
+            os.ftruncate(fd, seg.size)
+
+    def _free_path(self, number: int) -> Path:
+        return self.path / f"{number:012d}{_FREE_SUFFIX}"
+
+    def _reusable(self, seg: _Segment) -> bool:
+        """Under the lock: whether ``seg``'s file may join the pool (room there, only tagged
+        records in it, and no descriptor lent by ``payload_ranges`` still reading it)."""
+        room = len(self._free) + self._freeing < self.config.recycle_segments
+        return room and seg.recyclable and seg.number not in self._lent.values()
 
     def flush(self, *, collect: bool = True) -> None:
         """Make every appended record and every ack durable (fsync), then (with ``collect``)
@@ -502,12 +585,25 @@ class Spool:
             doomed = [
                 seg for seg in self._segments.values() if seg.live == 0 and seg is not self._writing
             ]
+            plan: list[tuple[_Segment, Path | None]] = []
             for seg in doomed:
                 self._delete_segment(seg, unlink=False)
+                reuse = self._reusable(seg)
+                self._freeing += reuse
+                plan.append((seg, self._free_path(seg.number) if reuse else None))
             self._unlinking += len(doomed)
         try:
-            for seg in doomed:
-                seg.path.unlink(missing_ok=True)
+            for seg, free in plan:
+                if free is None:
+                    seg.path.unlink(missing_ok=True)
+                    continue
+                try:
+                    os.rename(seg.path, free)
+                finally:
+                    with self._lock:
+                        self._freeing -= 1
+                        if free.exists():
+                            self._free.append(free)
         finally:
             with self._lock:
                 self._unlinking -= len(doomed)
@@ -572,7 +668,11 @@ class Spool:
         fd = self._read_fds.pop(seg.number, None)
         if fd is not None:
             os.close(fd)
-        if unlink:
+        if unlink and self._reusable(seg):
+            free = self._free_path(seg.number)
+            os.rename(seg.path, free)
+            self._free.append(free)
+        elif unlink:
             seg.path.unlink(missing_ok=True)
         del self._segments[seg.number]
         self._stats.bytes -= seg.size
@@ -635,8 +735,8 @@ class Spool:
         """Where the stored payload of each of ``ids`` is, in order, for ``sendfile``:
         ``(fd, offset, length)`` in a segment file, or ``fallback(id)`` for an id that is not
         pending (acknowledged meanwhile); and the descriptors used, ``dup``s the caller
-        closes (a segment deleted meanwhile stays readable through them).  Meant for
-        records a ``flush`` made durable."""
+        closes with ``release`` (a segment deleted meanwhile stays readable through them, and
+        one they read from is not reused).  Meant for records a ``flush`` made durable."""
         with self._lock:
             self._check_open()
             dups: dict[int, int] = {}
@@ -651,12 +751,25 @@ class Spool:
                     fd = dups.get(number)
                     if fd is None:
                         fd = dups[number] = os.dup(self._read_fd(number))
+                        self._lent[fd] = number  # its file is not reused until released
                     parts.append((fd, offset, length))
             except BaseException:
                 for fd in dups.values():
+                    self._lent.pop(fd, None)
                     os.close(fd)
                 raise
             return parts, list(dups.values())
+
+    def release(self, fds: Iterable[int]) -> None:
+        """Close descriptors that ``payload_ranges`` handed out, once what they were read for
+        is sent: until then their segments' files are deleted rather than reused."""
+        fds = list(fds)
+        with self._lock:
+            for fd in fds:
+                self._lent.pop(fd, None)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _read_fd(self, number: int) -> int:
         """Under the lock: the segment's read descriptor (closed when it is deleted)."""
@@ -701,6 +814,7 @@ class Spool:
                 if self._fd is not None:
                     if self._unflushed:
                         os.fdatasync(self._fd)
+                    self._trim(self._fd, self._active)
                     os.close(self._fd)
                     self._fd = None
                 if hasattr(self, "_ack_fd"):

@@ -4,6 +4,7 @@ are detected and dropped, fully acknowledged segments and old acks are reclaimed
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -148,14 +149,14 @@ def test_reads_and_acks_go_on_while_an_append_is_writing(
         spool.append_many(records[:2])
         spool.flush()
         entered, release = threading.Event(), threading.Event()
-        real = os.writev
+        real = os.pwritev
 
-        def stuck(fd: int, parts: list[bytes]) -> int:
+        def stuck(fd: int, parts: list[bytes], offset: int) -> int:
             entered.set()
             assert release.wait(10)
-            return real(fd, parts)
+            return real(fd, parts, offset)
 
-        monkeypatch.setattr(os, "writev", stuck)
+        monkeypatch.setattr(os, "pwritev", stuck)
         writer = threading.Thread(target=spool.append_many, args=([records[2]],))
         writer.start()
         try:
@@ -414,3 +415,83 @@ def test_segments_are_preallocated_yet_hold_exactly_their_records(tmp_path: Path
     with Spool(tmp_path, config) as spool:
         assert spool.statistics().torn_bytes_dropped == 0
         assert ids(spool) == [f"t{i:05d}" for i in range(3)]
+
+
+# -- reused segment files -------------------------------------------------------------------
+
+
+def frees(path: Path) -> list[Path]:
+    return sorted(path.glob("*.free"))
+
+
+def same_size(prefix: str, n: int) -> list[tuple[str, bytes]]:
+    """Records whose frames all have one length: 6 fill a 4096-byte segment."""
+    return [(f"{prefix}{i:04d}", bytes([i % 256]) * 700) for i in range(n)]
+
+
+def test_reused_files_never_bring_old_records_back(tmp_path: Path) -> None:
+    """Acknowledged segments' files are kept and overwritten by new segments; after a crash
+    the old records past the new ones (frames intact, at frame boundaries) do not pass."""
+    config = SpoolConfig(segment_bytes=4096, recycle_segments=2)
+    old, new = same_size("a", 12), same_size("b", 2)
+    live = tmp_path / "live"
+    with Spool(live, config) as spool:
+        spool.append_many(old)
+        spool.flush()
+        assert len(segments(live)) == 2
+        spool.ack([rid for rid, _ in old])
+        assert segments(live) == [] and len(frees(live)) == 2
+        spool.append_many(new)
+        spool.flush()
+        assert len(segments(live)) == 1 and len(frees(live)) == 1  # one file reused
+        assert segments(live)[0].stat().st_size > 2 * 725  # the old records are still there
+        crashed = tmp_path / "crashed"
+        shutil.copytree(live, crashed)  # what a kill -9 would leave
+    # a compacted ack log no longer holds the acks of deleted segments' records: only the
+    # frame tags keep the old records out
+    (crashed / ACK_LOG).unlink()
+    with Spool(crashed, config) as spool:
+        assert [(r.id, r.data) for r in spool.pending()] == new
+    with Spool(live, config) as spool:  # a clean close cut the old records off
+        assert [(r.id, r.data) for r in spool.pending()] == new
+        assert spool.statistics().torn_bytes_dropped == 0
+
+
+def test_untagged_records_of_older_spools_are_read_and_their_files_not_reused(
+    tmp_path: Path,
+) -> None:
+    payload = encode_msgpack(traj(1))
+    (tmp_path / "000000000003.seg").write_bytes(
+        encode_record("old", payload) + encode_record("tagged", payload, segment=3)
+    )
+    # a frame tagged for another segment is a reused file's leftover: the scan stops there
+    (tmp_path / "000000000005.seg").write_bytes(
+        encode_record("mine", payload, segment=5) + encode_record("stale", payload, segment=4)
+    )
+    with Spool(tmp_path, SpoolConfig(recycle_segments=4)) as spool:
+        assert sorted(ids(spool)) == ["mine", "old", "tagged"]
+        spool.ack(["old", "tagged", "mine"])
+        assert [p.name for p in frees(tmp_path)] == ["000000000005.free"]
+
+
+def test_a_file_still_being_read_is_deleted_not_reused(tmp_path: Path) -> None:
+    """A lease's descriptor (payload_ranges) keeps reading the bytes it was given even when
+    its segment is acknowledged meanwhile: that file is not overwritten."""
+    config = SpoolConfig(segment_bytes=4096, recycle_segments=2)
+    old, new = same_size("a", 6), same_size("b", 12)
+    with Spool(tmp_path, config) as spool:
+        spool.append_many(old)
+        spool.flush()
+        parts, fds = spool.payload_ranges(["a0003"], bytes)
+        spool.ack([rid for rid, _ in old])
+        assert segments(tmp_path) == [] and frees(tmp_path) == []
+        spool.append_many(new)
+        spool.flush()
+        assert read_back(parts) == old[3][1]
+        spool.release(fds)
+        spool.ack([rid for rid, _ in new])
+        assert len(frees(tmp_path)) == 2
+    with Spool(tmp_path, SpoolConfig(recycle_segments=0)) as spool:
+        assert frees(tmp_path) == []  # a smaller pool deletes the rest at open
+    with pytest.raises(ConfigError, match="recycle_segments"):
+        SpoolConfig(recycle_segments=-1)
