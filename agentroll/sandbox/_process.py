@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from pathlib import Path
 
 
 class _Capture:
@@ -106,10 +107,32 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
+def _children(pid: int) -> list[int]:
+    """The children process ``pid`` forked that are still its own ([] if it is gone)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_early(transport: asyncio.SubprocessTransport) -> None:
+    """Kill a command's group right after it started, and the children its leader forked so
+    far: bubblewrap's child sets ``--die-with-parent`` only after the clone, in a session of
+    its own, so a leader killed in between left the whole sandbox running (seen under CPU
+    load when an exec was cancelled while starting).  Children are read only while the
+    leader is not reaped, so their pids are still its children's."""
+    pid = transport.get_pid()
+    children = _children(pid) if transport.get_returncode() is None else []
+    _killpg(pid)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+
+
 def _kill_spawned(spawn: asyncio.Task[tuple[asyncio.SubprocessTransport, _ExecProtocol]]) -> None:
     """Done-callback of a spawn whose caller was cancelled: kill the group, drop the pipes."""
     if spawn.cancelled() or spawn.exception() is not None:
         return
     transport, _ = spawn.result()
-    _killpg(transport.get_pid())
+    _kill_early(transport)
     transport.close()

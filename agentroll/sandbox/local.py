@@ -29,7 +29,7 @@ from agentroll.sandbox._files import (
     _unpack,
     reap_workdirs,
 )
-from agentroll.sandbox._process import _ExecProtocol, _kill_spawned, _killpg
+from agentroll.sandbox._process import _ExecProtocol, _kill_early, _kill_spawned, _killpg
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.types import ExecResult
 
@@ -302,7 +302,7 @@ class LocalSandbox(Sandbox):
         finally:
             self._pgids.discard(pgid)
             if not killed:  # cancelled (or failed): kill, and reap the leader before leaving
-                _killpg(pgid)
+                _kill_early(transport)
                 if not proto.exited.done():
                     await asyncio.wait([proto.exited], timeout=_KILL_GRACE)
             transport.close()
