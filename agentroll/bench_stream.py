@@ -338,6 +338,7 @@ def run_stream_bench(
     # sizes[i % POOL] exactly
     records = [encode_msgpack(_instance(pool, "js", i, group_size)) for i in range(POOL)]
     sizes = [len(r) for r in records]
+    block = b"".join(records)  # what the loopback copy sends, repeated
     total = sum(sizes[i % POOL] for i in range(n))
     mode: ProgressMode = "auto" if progress else "off"
     plan: list[tuple[str, WireFormat, int]] = [(f"m{r}", "msgpack", n) for r in range(repeats)]
@@ -360,7 +361,7 @@ def run_stream_bench(
                 limits = (math.nan, math.nan)
                 if fmt == "msgpack":  # the limits of this run, measured right before it
                     limits = (
-                        _tcp_copy_mb_per_s(b"".join(records), total),
+                        _tcp_copy_mb_per_s(block, total),
                         _disk_mb_per_s(records, total, root),
                     )
                 label = f"stream {fmt}" + (f" {k + 1}/{repeats}" if fmt == "msgpack" else "")

@@ -222,6 +222,14 @@ def _scan_acks(data: bytes) -> tuple[list[str], int]:
     return ids, pos
 
 
+def _retire_file(seg: _Segment, free: Path | None) -> None:
+    """A forgotten segment's file: renamed to ``free`` (kept for reuse) or deleted."""
+    if free is None:
+        seg.path.unlink(missing_ok=True)
+    else:
+        os.rename(seg.path, free)
+
+
 def _preallocate(fd: int, size: int) -> None:
     """Reserve ``size`` bytes of disk blocks for the file ``fd`` without changing its size
     (Linux ``fallocate(FALLOC_FL_KEEP_SIZE)``; nothing where unsupported or refused).
@@ -594,16 +602,14 @@ class Spool:
             self._unlinking += len(doomed)
         try:
             for seg, free in plan:
-                if free is None:
-                    seg.path.unlink(missing_ok=True)
-                    continue
                 try:
-                    os.rename(seg.path, free)
+                    _retire_file(seg, free)
                 finally:
-                    with self._lock:
-                        self._freeing -= 1
-                        if free.exists():
-                            self._free.append(free)
+                    if free is not None:  # its pool slot was reserved above
+                        with self._lock:
+                            self._freeing -= 1
+                            if free.exists():
+                                self._free.append(free)
         finally:
             with self._lock:
                 self._unlinking -= len(doomed)
@@ -668,12 +674,11 @@ class Spool:
         fd = self._read_fds.pop(seg.number, None)
         if fd is not None:
             os.close(fd)
-        if unlink and self._reusable(seg):
-            free = self._free_path(seg.number)
-            os.rename(seg.path, free)
-            self._free.append(free)
-        elif unlink:
-            seg.path.unlink(missing_ok=True)
+        if unlink:
+            free = self._free_path(seg.number) if self._reusable(seg) else None
+            _retire_file(seg, free)
+            if free is not None:
+                self._free.append(free)
         del self._segments[seg.number]
         self._stats.bytes -= seg.size
         self._stats.segments = len(self._segments)
