@@ -44,6 +44,7 @@ _ACKS_IN_FLIGHT = 4  # batches(auto_ack=True): acks sent and not yet answered, a
 #: connection (the worker's send buffer holds about one lease: two keep the next ones
 #: coming while a batch is decoded)
 _LEASES_IN_FLIGHT = 2
+_Reply = tuple[int, str, bytes | bytearray]  # an undecoded reply: status, content type, body
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 
@@ -557,6 +558,19 @@ def decode_lease(data: bytes | bytearray, *, json: bool = False) -> LeaseBatch:
             gc.enable()
 
 
+async def _first_reply(leasing: collections.deque[asyncio.Future[_Reply]]) -> _Reply:
+    """Take the oldest lease request in ``leasing`` that has finished, waiting for one to
+    finish.  Requests go out on separate connections and may reach the worker out of order;
+    one that found the buffer empty (a younger one took what was there) long-polls, and
+    must not hold back the younger reply that has trajectories.  Raises the request's
+    ``StreamError``."""
+    if not any(f.done() for f in leasing):
+        await asyncio.wait(leasing, return_when=asyncio.FIRST_COMPLETED)
+    done = next(f for f in leasing if f.done())
+    leasing.remove(done)
+    return done.result()
+
+
 class StreamClient:
     """Consume a worker's trajectory stream at ``url`` (e.g. ``http://127.0.0.1:8600``).
 
@@ -766,9 +780,11 @@ class StreamClient:
         done with them; until then this client does not hand them out again, and the worker
         offers them again after their lease ttl.  Without ``auto_ack`` call ``ack``.  With
         ``prefetch`` the next two leases are requested while the consumer works on the
-        current batch (when the loop stops, leases in flight are cancelled; anything they
-        had leased is offered again after its ttl).  Raises ``StreamError``."""
-        leasing: collections.deque[asyncio.Future[tuple[int, str, bytes | bytearray]]]
+        current batch, and whichever reply comes first is used first (a request that found
+        nothing long-polls without holding the others back; when the loop stops, leases in
+        flight are cancelled; anything they had leased is offered again after its ttl).
+        Raises ``StreamError``."""
+        leasing: collections.deque[asyncio.Future[_Reply]]
         leasing = collections.deque()  # lease requests in flight, oldest first
         acking: collections.deque[asyncio.Future[int]] = collections.deque()
         try:
@@ -777,7 +793,7 @@ class StreamClient:
                     leasing.append(
                         asyncio.ensure_future(self._lease_reply(max, wait, trainer_version))
                     )
-                reply = await leasing.popleft()
+                reply = await _first_reply(leasing)
                 if prefetch and reply[0] != 204:
                     # the next requests go out before this reply is decoded: the worker
                     # prepares and sends the next batches (on their own connections) while

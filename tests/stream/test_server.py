@@ -160,6 +160,37 @@ async def test_batches_sends_the_next_lease_before_decoding_the_last(tmp_path: P
         assert at_decode[:3] == [3, 4, 5]  # reply k decoded after requests k+1, k+2 were made
 
 
+async def test_batches_yields_a_prefetched_batch_past_an_empty_long_poll(tmp_path: Path) -> None:
+    """Prefetched lease requests travel on their own connections and may reach the worker
+    out of order: when a younger request took the last trajectory and an older one is
+    long-polling on an empty buffer, the younger reply is yielded at once, not after the
+    older one's wait (it was: a 10 s stall at the end of small streams)."""
+    async with worker(tmp_path) as (stream, url):
+        for i in range(2):
+            await stream.publish([traj(i)])
+        async with StreamClient(url) as client:
+            calls = [0]
+            lease_reply = client._lease_reply
+
+            async def reordered(*args: object) -> tuple[int, str, bytes | bytearray]:
+                calls[0] += 1
+                if calls[0] == 2:  # the first prefetch reaches the worker after the second
+                    await asyncio.sleep(0.3)
+                return await lease_reply(*args)  # type: ignore[arg-type]
+
+            client._lease_reply = reordered  # type: ignore[method-assign]
+            async with contextlib.aclosing(client.batches(max=1, wait=30)) as batches:
+                first = await anext(batches)
+                start = time.monotonic()
+                async with asyncio.timeout(5):
+                    second = await anext(batches)
+                waited = time.monotonic() - start
+            await client.ack([t.id for t in first + second])
+        assert sorted(t.id for t in first + second) == ["t-00000000", "t-00000001"]
+        assert waited < 2.0  # not held behind the empty long-poll (30 s)
+        assert len(stream.spool) == 0
+
+
 async def test_take_returns_exactly_n_never_handed_out_before(tmp_path: Path) -> None:
     clock = FakeClock()
     async with worker(tmp_path, clock=clock) as (stream, url):
