@@ -83,14 +83,13 @@ class FileRange:
 @dataclass
 class Response:
     """Status, headers and a body made of byte strings and file ranges, sent in order.
-    ``fds``: descriptors the response owns (its ranges' files, typically ``dup``s), closed
-    once it was sent or failed; ``on_close`` is called then too (once)."""
+    ``on_close`` is called once the response was sent or failed (once): it gives back what
+    the response holds, e.g. closes or returns the descriptors of its ranges' files."""
 
     status: int = 200
     parts: Sequence[bytes | memoryview | FileRange] = ()
     content_type: str | None = None
     headers: Sequence[tuple[str, str]] = ()
-    fds: Sequence[int] = ()
     on_close: Callable[[], None] | None = None
 
     @classmethod
@@ -107,11 +106,7 @@ class Response:
         )
 
     def close_files(self) -> None:
-        """Close ``fds`` and call ``on_close`` (idempotent)."""
-        fds, self.fds = self.fds, ()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Call ``on_close`` (idempotent)."""
         on_close, self.on_close = self.on_close, None
         if on_close is not None:
             on_close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -207,6 +207,11 @@ async def test_file_ranges_are_sent_exactly_and_their_descriptors_closed(tmp_pat
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     sent: list[Response] = []
+    closed: list[bool] = []
+
+    def closer(fd: int) -> Callable[[], None]:
+        return lambda: closed.append(os.close(fd) is None)
+
     cuts = [(0, 5), (1 << 20, 5 << 20), (7 << 20, (12 << 20) - (7 << 20))]
 
     async def files(req: Request) -> Response:
@@ -214,7 +219,7 @@ async def test_file_ranges_are_sent_exactly_and_their_descriptors_closed(tmp_pat
         parts: list[bytes | memoryview | FileRange] = [b"HEAD"]
         for offset, count in cuts:
             parts += [FileRange(fd, offset, count), b"|"]
-        response = Response(200, parts, "application/octet-stream", fds=[fd])
+        response = Response(200, parts, "application/octet-stream", on_close=closer(fd))
         sent.append(response)
         return response
 
@@ -226,7 +231,7 @@ async def test_file_ranges_are_sent_exactly_and_their_descriptors_closed(tmp_pat
         assert status == 200 and int(headers["content-length"]) == len(want) and body == want
         await c.send(request("GET", "/f"))  # the connection is still in sync
         assert (await c.response())[2] == want
-    assert all(r.fds == () for r in sent)
+    assert len(sent) == 2 and closed == [True, True]
 
 
 async def test_a_client_leaving_mid_response_or_mid_wait_is_noticed(tmp_path: Path) -> None:
@@ -234,6 +239,8 @@ async def test_a_client_leaving_mid_response_or_mid_wait_is_noticed(tmp_path: Pa
     path.write_bytes(os.urandom(32 << 20))
     left = asyncio.Event()
     responses: list[Response] = []
+    fds: list[int] = []
+    closed = asyncio.Event()
 
     async def wait(req: Request) -> Response:
         await req.disconnected()
@@ -242,7 +249,8 @@ async def test_a_client_leaving_mid_response_or_mid_wait_is_noticed(tmp_path: Pa
 
     async def big(req: Request) -> Response:
         fd = os.open(path, os.O_RDONLY)
-        responses.append(Response(200, [FileRange(fd, 0, 32 << 20)], fds=[fd]))
+        responses.append(Response(200, [FileRange(fd, 0, 32 << 20)], on_close=closed.set))
+        fds.append(fd)
         return responses[-1]
 
     app = App({"/wait": {"GET": wait}, "/big": {"GET": big}})
@@ -255,11 +263,8 @@ async def test_a_client_leaving_mid_response_or_mid_wait_is_noticed(tmp_path: Pa
             await c.send(request("GET", "/big"))
             await c.reader.readuntil(b"\r\n\r\n")
             await c.reader.readexactly(1 << 20)
-        for _ in range(100):
-            if responses and responses[0].fds == ():
-                break
-            await asyncio.sleep(0.05)
-        assert responses[0].fds == ()  # the send failed, its descriptor was closed anyway
+        await asyncio.wait_for(closed.wait(), 5)  # the send failed: on_close ran anyway
+        os.close(fds[0])
         async with connect(addr) as c:
             await c.send(request("GET", "/echo?still=serving"))
             assert (await c.response())[0] == 404  # no /echo in this app: but answered
