@@ -657,7 +657,7 @@ class StreamClient:
         *,
         extra_timeout: float = 0.0,
         headers: dict[str, str] | None = None,
-    ) -> tuple[int, str, bytes | bytearray]:
+    ) -> _Reply:
         """One request: ``(status, content type, body)``; the body as the transport received
         it (one bytearray from ``FastTransport``: not copied again).  Raises ``StreamError``
         for a transport failure or a 4xx/5xx reply."""
@@ -699,14 +699,12 @@ class StreamClient:
         Raises ``StreamError``."""
         return self._decode_lease(await self._lease_reply(max, wait, trainer_version))
 
-    async def _lease_reply(
-        self, max: int, wait: float, trainer_version: int | None
-    ) -> tuple[int, str, bytes | bytearray]:
+    async def _lease_reply(self, max: int, wait: float, trainer_version: int | None) -> _Reply:
         """The undecoded reply of one lease request: ``(status, content type, body)``."""
         request = LeaseRequest(max=max, wait=wait, trainer_version=trainer_version)
         return await self._request("POST", "/v1/lease", self._encode(request), extra_timeout=wait)
 
-    def _decode_lease(self, reply: tuple[int, str, bytes | bytearray]) -> LeaseBatch | None:
+    def _decode_lease(self, reply: _Reply) -> LeaseBatch | None:
         status, ctype, data = reply
         if status == 204:
             return None

@@ -105,7 +105,7 @@ class Response:
             p.count if isinstance(p, FileRange) else memoryview(p).nbytes for p in self.parts
         )
 
-    def close_files(self) -> None:
+    def release(self) -> None:
         """Call ``on_close`` (idempotent)."""
         on_close, self.on_close = self.on_close, None
         if on_close is not None:
@@ -404,7 +404,7 @@ class _Connection(asyncio.Protocol):
                     try:
                         await self._send(response, close=close)
                     finally:
-                        response.close_files()
+                        response.release()
                 finally:
                     self._server.active -= 1
                     self._server.idle.set()

@@ -602,13 +602,15 @@ class Spool:
             self._unlinking += len(doomed)
         try:
             for seg, free in plan:
+                retired = False
                 try:
                     _retire_file(seg, free)
+                    retired = True
                 finally:
                     if free is not None:  # its pool slot was reserved above
                         with self._lock:
                             self._freeing -= 1
-                            if free.exists():
+                            if retired:  # renamed into the pool
                                 self._free.append(free)
         finally:
             with self._lock:
