@@ -30,6 +30,7 @@ from agentroll.stream import (
     TrajectoryStream,
     serve_stream,
 )
+from agentroll.stream.client import _Reply
 from agentroll.types import Trajectory
 from agentroll.weights.update import TensorUpdate, WeightUpdate
 
@@ -172,7 +173,7 @@ async def test_batches_yields_a_prefetched_batch_past_an_empty_long_poll(tmp_pat
             calls = [0]
             lease_reply = client._lease_reply
 
-            async def reordered(*args: object) -> tuple[int, str, bytes | bytearray]:
+            async def reordered(*args: object) -> _Reply:
                 calls[0] += 1
                 if calls[0] == 2:  # the first prefetch reaches the worker after the second
                     await asyncio.sleep(0.3)
