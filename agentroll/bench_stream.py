@@ -2,19 +2,24 @@
 
 A worker process (``TrajectoryStream`` with a real spool, served on 127.0.0.1) publishes
 groups from concurrent publishers (spool fsync, group commit); this process consumes them
-with a ``StreamClient`` (lease, decode, ack).  ``mb_per_s`` counts the msgpack bytes of the
-trajectories delivered per second from the first publish to the last ack (the trajectory
-objects are built before the clock starts: the episodes' work, not the stream's);
-``json_mb_per_s`` the same (msgpack bytes) with JSON bodies.  The limits are measured on the
-same bytes: a plain 127.0.0.1 socket copy and a sequential write + fsync on the spool's
-filesystem; ``limit = min`` of the two.  The msgpack stream runs ``repeats`` times (default
-3), each run right after its own limit measurements, and every figure is the median over the
-runs (``runs=`` in the line), as timings on shared machines drift and jump; the JSON stream
-runs once.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU seconds (user + system) each
-process used during the median msgpack run, next to its wall time ``seconds``: on a machine
-with few cores they show when the processes themselves, not the disk or the loopback, are
-what limits the stream.  Every run checks delivered == published, each id exactly once, and
-an empty spool at the end.
+with a ``StreamClient`` (lease, decode, ack).  The consumer is a trainer's: it decodes what
+a trainer uses (``conversation=False``: token arrays, reward, ids and the rest, not the
+turns and messages, which still travel in every body and are stepped over).
+``mb_per_s`` counts the msgpack bytes of the trajectories delivered per second from the
+first publish to the last ack (the trajectory objects are built before the clock starts:
+the episodes' work, not the stream's); ``json_mb_per_s`` the same (msgpack bytes) with JSON
+bodies; ``full_decode_mb_per_s`` the same with a consumer that decodes the whole
+trajectory, turns and messages too (``conversation=True``, the client's default).  The
+limits are measured on the same bytes: a plain 127.0.0.1 socket copy and a sequential
+write + fsync on the spool's filesystem; ``limit = min`` of the two.  The msgpack streams
+run ``repeats`` times (default 3), each repeat right after its own limit measurements and
+with the two consumers in alternating order, and every figure is the median over the
+repeats (``runs=`` in the line), as timings on shared machines drift and jump; the JSON
+stream runs once.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU seconds (user +
+system) each process used during the median run of ``mb_per_s``, next to its wall time
+``seconds``: on a machine with few cores they show when the processes themselves, not the
+disk or the loopback, are what limits the stream.  Every run checks delivered ==
+published, each id exactly once, and an empty spool at the end.
 """
 
 from __future__ import annotations
@@ -118,6 +123,7 @@ class StreamBenchResult:
     json_mb_per_s: float
     raw_tcp_mb_per_s: float
     disk_mb_per_s: float
+    full_decode_mb_per_s: float = math.nan  # a consumer that decodes turns and messages too
     seconds: float = math.nan  # wall time of the median msgpack run
     worker_cpu_s: float = math.nan  # CPU of the worker process during it (nan: not on Linux)
     consumer_cpu_s: float = math.nan  # CPU of this (consuming) process during it
@@ -132,6 +138,7 @@ class StreamBenchResult:
             f"traj_per_s={self.traj_per_s:.1f} mb_per_s={self.mb_per_s:.1f} "
             f"json_mb_per_s={self.json_mb_per_s:.1f} raw_tcp_mb_per_s={self.raw_tcp_mb_per_s:.1f} "
             f"disk_mb_per_s={self.disk_mb_per_s:.1f} limit_mb_per_s={self.limit_mb_per_s:.1f} "
+            f"full_decode_mb_per_s={self.full_decode_mb_per_s:.1f} "
             f"seconds={self.seconds:.2f} worker_cpu_s={self.worker_cpu_s:.2f} "
             f"consumer_cpu_s={self.consumer_cpu_s:.2f} runs={self.runs}"
         )
@@ -208,12 +215,18 @@ async def _worker(
 
 
 async def _consume(
-    url: str, fmt: WireFormat, n: int, sizes: list[int], lease_max: int, progress: Progress
+    url: str,
+    fmt: WireFormat,
+    n: int,
+    sizes: list[int],
+    lease_max: int,
+    progress: Progress,
+    conversation: bool = False,
 ) -> int:
     """Consume until ``n`` distinct trajectories came; returns their msgpack bytes."""
     seen: set[str] = set()
     nbytes = 0
-    async with StreamClient(url, format=fmt) as client:
+    async with StreamClient(url, format=fmt, conversation=conversation) as client:
         # closing the generator completes the ack it has in flight
         async with contextlib.aclosing(
             client.batches(max=lease_max, wait=10.0, auto_ack=True)
@@ -314,9 +327,10 @@ def run_stream_bench(
     progress: bool = True,
 ) -> StreamBenchResult:
     """Stream ``trajectories`` of ``tokens`` tokens end to end with msgpack bodies
-    ``repeats`` times, each run next to a measurement of the loopback and disk limits on the
-    same number of bytes, then ``json_fraction`` as many with JSON bodies once.  Each figure
-    is the median over the repeats (``seconds`` and the CPU figures: of the median run).
+    ``repeats`` times to the trainer's consumer and as often to the full decoder, each
+    repeat next to a measurement of the loopback and disk limits on the same number of
+    bytes, then ``json_fraction`` as many with JSON bodies once.  Each figure is the median
+    over the repeats (``seconds`` and the CPU figures: of the median run).
     ``directory`` holds the spool (default: a temporary one).  Progress goes to stderr.
     Raises ``ConfigError`` for bad sizes, ``AssertionError`` if a trajectory is lost or
     delivered twice, ``RuntimeError`` if the worker process fails."""
@@ -341,8 +355,16 @@ def run_stream_bench(
     block = b"".join(records)  # what the loopback copy sends, repeated
     total = sum(sizes[i % POOL] for i in range(n))
     mode: ProgressMode = "auto" if progress else "off"
-    plan: list[tuple[str, WireFormat, int]] = [(f"m{r}", "msgpack", n) for r in range(repeats)]
-    plan.append(("js", "json", n_json))
+    # (prefix, format, count, conversation): each repeat runs the trainer's consumer ("m")
+    # and the full decoder ("f"), in alternating order, after measuring its limits
+    plan: list[tuple[str, WireFormat, int, bool]] = []
+    for r in range(repeats):
+        pair: list[tuple[str, WireFormat, int, bool]] = [
+            (f"m{r}", "msgpack", n, False),
+            (f"f{r}", "msgpack", n, True),
+        ]
+        plan += pair[:: 1 if r % 2 == 0 else -1]
+    plan.append(("js", "json", n_json, False))
     with tempfile.TemporaryDirectory(dir=directory, prefix="agentroll-bench-stream-") as tmp:
         root = Path(tmp)
         args = (str(root / "spool"), tokens, turns, group_size, publishers)
@@ -357,14 +379,16 @@ def run_stream_bench(
             if len(line) != 2 or line[0] != "url":
                 raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
             url = line[1]
-            for k, (prefix, fmt, count) in enumerate(plan):
-                limits = (math.nan, math.nan)
-                if fmt == "msgpack":  # the limits of this run, measured right before it
+            limits = (math.nan, math.nan)
+            for k, (prefix, fmt, count, conversation) in enumerate(plan):
+                if fmt == "msgpack" and k % 2 == 0:  # the limits of a repeat, right before it
                     limits = (
                         _tcp_copy_mb_per_s(block, total),
                         _disk_mb_per_s(records, total, root),
                     )
-                label = f"stream {fmt}" + (f" {k + 1}/{repeats}" if fmt == "msgpack" else "")
+                label = f"stream {fmt}"
+                if fmt == "msgpack":
+                    label += f"{' full decode' if conversation else ''} {k // 2 + 1}/{repeats}"
                 bar = Progress(label, count, mode=mode)
                 try:
                     proc.stdin.write(f"prepare {prefix} {count}\n")
@@ -375,11 +399,14 @@ def run_stream_bench(
                     start = time.perf_counter()
                     proc.stdin.write(f"publish {prefix} {count}\n")
                     proc.stdin.flush()
-                    nbytes = asyncio.run(_consume(url, fmt, count, sizes, lease_max, bar))
+                    nbytes = asyncio.run(
+                        _consume(url, fmt, count, sizes, lease_max, bar, conversation)
+                    )
                     seconds = time.perf_counter() - start
                     runs.append(
                         _Run(
                             fmt,
+                            conversation,
                             count,
                             seconds,
                             nbytes,
@@ -400,9 +427,11 @@ def run_stream_bench(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    stream = [r for r in runs if r.fmt == "msgpack"]
+    stream = [r for r in runs if r.fmt == "msgpack" and not r.conversation]
+    full = [r for r in runs if r.fmt == "msgpack" and r.conversation]
     # the lower median for an even count: never the better of two runs
     median = sorted(stream, key=lambda r: r.mb_per_s)[(len(stream) - 1) // 2]
+    full_median = sorted(full, key=lambda r: r.mb_per_s)[(len(full) - 1) // 2]
     json_run = next(r for r in runs if r.fmt == "json")
     return StreamBenchResult(
         published=n,
@@ -412,6 +441,7 @@ def run_stream_bench(
         json_mb_per_s=json_run.mb_per_s,
         raw_tcp_mb_per_s=statistics.median(r.tcp_mb_per_s for r in stream),
         disk_mb_per_s=statistics.median(r.disk_mb_per_s for r in stream),
+        full_decode_mb_per_s=full_median.mb_per_s,
         seconds=median.seconds,
         worker_cpu_s=median.worker_cpu_s,
         consumer_cpu_s=median.consumer_cpu_s,
@@ -424,6 +454,7 @@ class _Run:
     """One timed run of ``run_stream_bench`` and the limits measured right before it."""
 
     fmt: WireFormat
+    conversation: bool  # the consumer decoded turns and messages too
     count: int
     seconds: float
     nbytes: int

@@ -222,8 +222,9 @@ async def train(
     bar = Progress("training steps", recipe.run.steps, mode=progress)
     worker_version = 0
     try:
+        # the trainer uses token arrays, rewards and ids: turns and messages are not decoded
         async with StreamClient(
-            url, token=token, seen_path=run_dir / "trainer-acked.ids"
+            url, token=token, seen_path=run_dir / "trainer-acked.ids", conversation=False
         ) as client:
             for step in range(recipe.run.steps):
                 with metrics.span("trainer.idle"):

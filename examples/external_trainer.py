@@ -83,7 +83,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
     exporter = WeightExporter(lambda: {k: v for k, v in model.state_dict().items() if k in names})
     history = []
     async with (
-        StreamClient(args.url, token=args.token) as client,
+        # it trains on the token arrays: the trajectories' turns and messages are not decoded
+        StreamClient(args.url, token=args.token, conversation=False) as client,
         contextlib.aclosing(client.batches(max=args.batch_size, wait=5.0)) as batches,
     ):
         for step in range(args.steps):

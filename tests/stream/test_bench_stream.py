@@ -19,6 +19,7 @@ KEYS = [
     "raw_tcp_mb_per_s",
     "disk_mb_per_s",
     "limit_mb_per_s",
+    "full_decode_mb_per_s",
     "seconds",
     "worker_cpu_s",
     "consumer_cpu_s",
@@ -45,7 +46,7 @@ def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> N
     assert values.pop("runs") == 2
     # the figures themselves, not the line's: 48 KB over a slow moment (an fsync stalled by
     # the rest of the suite) prints as 0.0 MB/s
-    rates = [getattr(result, k) for k in KEYS[:6]]
+    rates = [getattr(result, k) for k in KEYS[:7]]
     assert all(v > 0 for v in rates), rates
     # CPU in clock ticks and the wall time to 10 ms: a tiny run may round to 0
     small = [values[k] for k in ("seconds", "worker_cpu_s", "consumer_cpu_s")]

@@ -61,6 +61,41 @@ def test_decode_lease_is_bit_exact_with_writable_unaliased_arrays(fmt: str) -> N
     assert np.array_equal(second.token_ids, before)
 
 
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_decode_lease_without_conversation_keeps_everything_but_turns_and_messages(
+    fmt: str,
+) -> None:
+    original = batch()
+    assert all(t.turns and t.messages for t in original.trajectories)
+    body = encode_json(original) if fmt == "json" else encode_msgpack(original)
+    got = decode_lease(body, json=fmt == "json", conversation=False)
+    assert (got.lease_id, got.expires_at, got.ttl, got.trainer_version) == ("L1", 123.5, 60.0, 4)
+    for a, o in zip(got.trajectories, original.trajectories, strict=True):
+        assert a.turns == [] and a.messages == []
+        assert encode_msgpack(a) == encode_msgpack(
+            msgspec.structs.replace(o, turns=[], messages=[])
+        )  # every other field bit-exact, NaNs included
+        for name, dtype in TOKEN_ARRAY_DTYPES.items():
+            arr = getattr(a, name)
+            assert arr.dtype == dtype and arr.flags.writeable
+    first, second = got.trajectories[:2]
+    first.turns.append(original.trajectories[0].turns[0])  # fresh lists, not one shared default
+    assert second.turns == []
+
+
+def test_decode_lease_without_conversation_still_rejects_a_malformed_conversation() -> None:
+    """Skipped fields are stepped over, not trusted: a body that ends inside a trajectory's
+    messages, or whose skipped part is not msgpack at all, is an error."""
+    body = encode_msgpack(batch(1))
+    cut = body.rindex(b"Fix the failing test")
+    with pytest.raises(msgspec.DecodeError):
+        decode_lease(body[:cut], conversation=False)
+    marker = body.index(b"messages") + len(b"messages")
+    broken = body[:marker] + b"\xc1" + body[marker + 1 :]  # 0xc1: never used in msgpack
+    with pytest.raises(msgspec.DecodeError):
+        decode_lease(broken, conversation=False)
+
+
 def test_decode_lease_rejects_malformed_bodies() -> None:
     body = encode_msgpack(batch(1))
     with pytest.raises(msgspec.DecodeError):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
@@ -108,6 +109,22 @@ async def test_lease_ack_round_trip_is_bit_exact_and_empties_the_spool(
             status = await client.status()
     assert status["spool"]["records"] == 0 and status["buffer"]["acked"] == 5
     assert not segment_files(tmp_path)
+
+
+async def test_a_client_without_conversation_gets_token_data_only(tmp_path: Path) -> None:
+    sent = [traj(i) for i in range(4)]
+    assert all(t.turns and t.messages for t in sent)
+    async with worker(tmp_path) as (stream, url):
+        for t in sent:
+            await stream.publish([t])
+        async with (
+            StreamClient(url, conversation=False) as client,
+            contextlib.aclosing(client.batches(max=10, wait=1.0, auto_ack=True)) as batches,
+        ):
+            got = await anext(batches)
+        stripped = [msgspec.structs.replace(t, turns=[], messages=[]) for t in sent]
+        assert all(same(a, b) for a, b in zip(got, stripped, strict=True))
+        assert [t.reward for t in got] == [t.reward for t in sent]
 
 
 async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> None:
