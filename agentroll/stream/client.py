@@ -594,8 +594,9 @@ class StreamClient:
     a restart of the consumer (it grows by ~40 bytes per trajectory).  ``timeout``: seconds
     per request on top of a lease's ``wait``.  ``conversation=False``: leased trajectories
     come without their ``turns`` and ``messages`` (empty lists), for a trainer that uses
-    only their token arrays, reward and ids; they are not decoded at all, which saves about
-    a third of a consumer's CPU (see ``agentroll bench stream``).  Use as
+    only their token arrays, reward and ids; they are stepped over in the body, never built
+    into objects, which saves about a third of a consumer's CPU (``agentroll bench
+    stream``).  Use as
     ``async with StreamClient(...)``.  Leased trajectories come from ``decode_lease``: with
     msgpack their arrays are writable views of their batch's receive buffer (freed with the
     batch's last array)."""
