@@ -232,12 +232,20 @@ _WIRE_DTYPES: dict[np.dtype[Any], str] = {
 }
 
 
+class _ArrayOut(msgspec.Struct, gc=False):
+    """What an array is written as: ``{"dtype": ..., "data": <its bytes>}`` (a struct
+    encodes ~0.3 us faster than the equivalent dict: its keys are pre-encoded)."""
+
+    dtype: str
+    data: memoryview
+
+
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         name = _WIRE_DTYPES.get(obj.dtype)
         data = obj.data
         if name is not None and data.c_contiguous:
-            return {"dtype": name, "data": data}
+            return _ArrayOut(name, data)
         if obj.dtype.byteorder == ">":
             obj = obj.astype(obj.dtype.newbyteorder("<"))
         elif not obj.flags.c_contiguous:
@@ -245,7 +253,7 @@ def _enc_hook(obj: Any) -> Any:
         # the array's own bytes (msgspec copies them into its output once; tobytes() was a
         # second full copy of every trajectory's arrays); msgspec writes any contiguous
         # buffer as raw bytes, whatever its item format
-        return {"dtype": obj.dtype.str, "data": obj.data}
+        return _ArrayOut(obj.dtype.str, obj.data)
     if isinstance(obj, np.generic):
         return obj.item()
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
