@@ -505,15 +505,14 @@ def _wire_types(data: type, skip: tuple[str, ...] = ()) -> tuple[type, type]:
 #: the fields ``conversation=False`` leaves out: a trajectory's turns and messages are about
 #: 85 of the ~110 Python objects a decoded trajectory is made of (its token arrays are 15)
 CONVERSATION_FIELDS = ("turns", "messages")
+_SKIPPED: dict[bool, tuple[str, ...]] = {True: (), False: CONVERSATION_FIELDS}
 # msgpack: arrays are zero-copy views of the (writable) response buffer; JSON: base64 is
 # decoded straight into one bytearray per array.  Indexed by ``conversation``.
 _MSGPACK_LEASE: dict[bool, msgspec.msgpack.Decoder[Any]] = {
-    True: msgspec.msgpack.Decoder(_wire_types(memoryview)[1]),
-    False: msgspec.msgpack.Decoder(_wire_types(memoryview, CONVERSATION_FIELDS)[1]),
+    c: msgspec.msgpack.Decoder(_wire_types(memoryview, skip)[1]) for c, skip in _SKIPPED.items()
 }
 _JSON_LEASE: dict[bool, msgspec.json.Decoder[Any]] = {
-    True: msgspec.json.Decoder(_wire_types(bytearray)[1]),
-    False: msgspec.json.Decoder(_wire_types(bytearray, CONVERSATION_FIELDS)[1]),
+    c: msgspec.json.Decoder(_wire_types(bytearray, skip)[1]) for c, skip in _SKIPPED.items()
 }
 _DTYPES: dict[str, np.dtype[Any]] = {}
 _ARRAY_FIELDS = tuple(TOKEN_ARRAY_DTYPES)
@@ -596,10 +595,9 @@ class StreamClient:
     come without their ``turns`` and ``messages`` (empty lists), for a trainer that uses
     only their token arrays, reward and ids; they are stepped over in the body, never built
     into objects, which saves about a third of a consumer's CPU (``agentroll bench
-    stream``).  Use as
-    ``async with StreamClient(...)``.  Leased trajectories come from ``decode_lease``: with
-    msgpack their arrays are writable views of their batch's receive buffer (freed with the
-    batch's last array)."""
+    stream``).  Use as ``async with StreamClient(...)``.  Leased trajectories come from
+    ``decode_lease``: with msgpack their arrays are writable views of their batch's receive
+    buffer (freed with the batch's last array)."""
 
     def __init__(
         self,

@@ -96,6 +96,20 @@ def test_decode_lease_without_conversation_still_rejects_a_malformed_conversatio
         decode_lease(broken, conversation=False)
 
 
+def test_decode_lease_without_conversation_builds_nothing_of_it() -> None:
+    """The skipped fields are not decoded into their types at all: a conversation of the
+    wrong shape (well-formed msgpack) fails the full decoder and passes this one."""
+    raw = msgspec.msgpack.decode(encode_msgpack(batch(2)))
+    raw["trajectories"][1]["messages"] = [7, {"role": 3}]
+    raw["trajectories"][1]["turns"] = "not a list"
+    body = msgspec.msgpack.encode(raw)
+    with pytest.raises(msgspec.ValidationError):
+        decode_lease(body)
+    got = decode_lease(body, conversation=False)
+    assert [t.messages for t in got.trajectories] == [[], []]
+    assert got.trajectories[1].id == batch(2).trajectories[1].id
+
+
 def test_decode_lease_rejects_malformed_bodies() -> None:
     body = encode_msgpack(batch(1))
     with pytest.raises(msgspec.DecodeError):
