@@ -83,17 +83,26 @@ def test_decode_lease_without_conversation_keeps_everything_but_turns_and_messag
     assert second.turns == []
 
 
-def test_decode_lease_without_conversation_still_rejects_a_malformed_conversation() -> None:
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_decode_lease_without_conversation_still_rejects_a_malformed_conversation(
+    fmt: str,
+) -> None:
     """Skipped fields are stepped over, not trusted: a body that ends inside a trajectory's
-    messages, or whose skipped part is not msgpack at all, is an error."""
-    body = encode_msgpack(batch(1))
+    messages, or whose skipped part is not msgpack (or JSON) at all, is an error."""
+    is_json = fmt == "json"
+    body = encode_json(batch(1)) if is_json else encode_msgpack(batch(1))
     cut = body.rindex(b"Fix the failing test")
     with pytest.raises(msgspec.DecodeError):
-        decode_lease(body[:cut], conversation=False)
+        decode_lease(body[:cut], json=is_json, conversation=False)
     marker = body.index(b"messages") + len(b"messages")
-    broken = body[:marker] + b"\xc1" + body[marker + 1 :]  # 0xc1: never used in msgpack
+    if is_json:  # `"messages":[...` -> `"messages":[}...`: a bracket the parser must match
+        at = body.index(b"[", marker) + 1
+        broken = body[:at] + b"}" + body[at:]
+    else:
+        broken = body[:marker] + b"\xc1" + body[marker + 1 :]  # 0xc1: never used in msgpack
     with pytest.raises(msgspec.DecodeError):
-        decode_lease(broken, conversation=False)
+        decode_lease(broken, json=is_json, conversation=False)
+    decode_lease(body, json=is_json, conversation=False)  # the intact body decodes
 
 
 def test_decode_lease_without_conversation_builds_nothing_of_it() -> None:
