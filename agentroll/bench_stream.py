@@ -355,16 +355,16 @@ def run_stream_bench(
     block = b"".join(records)  # what the loopback copy sends, repeated
     total = sum(sizes[i % POOL] for i in range(n))
     mode: ProgressMode = "auto" if progress else "off"
-    # (prefix, format, count, conversation): each repeat runs the trainer's consumer ("m")
-    # and the full decoder ("f"), in alternating order, after measuring its limits
-    plan: list[tuple[str, WireFormat, int, bool]] = []
+    # (prefix, format, count, conversation, repeat): each repeat runs the trainer's consumer
+    # ("m") and the full decoder ("f"), in alternating order, after measuring its limits
+    plan: list[tuple[str, WireFormat, int, bool, int]] = []
     for r in range(repeats):
-        pair: list[tuple[str, WireFormat, int, bool]] = [
-            (f"m{r}", "msgpack", n, False),
-            (f"f{r}", "msgpack", n, True),
+        pair: list[tuple[str, WireFormat, int, bool, int]] = [
+            (f"m{r}", "msgpack", n, False, r),
+            (f"f{r}", "msgpack", n, True, r),
         ]
         plan += pair[:: 1 if r % 2 == 0 else -1]
-    plan.append(("js", "json", n_json, False))
+    plan.append(("js", "json", n_json, False, -1))
     with tempfile.TemporaryDirectory(dir=directory, prefix="agentroll-bench-stream-") as tmp:
         root = Path(tmp)
         args = (str(root / "spool"), tokens, turns, group_size, publishers)
@@ -380,15 +380,17 @@ def run_stream_bench(
                 raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
             url = line[1]
             limits = (math.nan, math.nan)
-            for k, (prefix, fmt, count, conversation) in enumerate(plan):
-                if fmt == "msgpack" and k % 2 == 0:  # the limits of a repeat, right before it
+            measured = -1  # the repeat whose limits ``limits`` are
+            for prefix, fmt, count, conversation, repeat in plan:
+                if repeat >= 0 and repeat != measured:  # a repeat's limits, right before it
                     limits = (
                         _tcp_copy_mb_per_s(block, total),
                         _disk_mb_per_s(records, total, root),
                     )
+                    measured = repeat
                 label = f"stream {fmt}"
-                if fmt == "msgpack":
-                    label += f"{' full decode' if conversation else ''} {k // 2 + 1}/{repeats}"
+                if repeat >= 0:
+                    label += f"{' full decode' if conversation else ''} {repeat + 1}/{repeats}"
                 bar = Progress(label, count, mode=mode)
                 try:
                     proc.stdin.write(f"prepare {prefix} {count}\n")

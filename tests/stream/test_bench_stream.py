@@ -1,6 +1,6 @@
 """``agentroll bench stream`` with tiny numbers: the result line has exactly the promised keys,
 every published trajectory was delivered once (the bench raises otherwise), the figures are
-positive and the limit is the smaller of the two measured limits."""
+positive, the limits are measured once per repeat and the limit is the smaller of the two."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agentroll import bench_stream
 from agentroll.bench_stream import run_stream_bench, synthetic_trajectory
 from agentroll.errors import ConfigError
 from agentroll.types import Trajectory, decode_msgpack, encode_msgpack
@@ -28,7 +29,15 @@ KEYS = [
 
 
 @pytest.mark.slow  # starts a worker process (imports torch through the weights server)
-def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> None:
+def test_tiny_bench_delivers_everything_and_prints_the_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probes: list[str] = []  # the limits are measured once per repeat, before its pair of runs
+    for name in ("_tcp_copy_mb_per_s", "_disk_mb_per_s"):
+        real = getattr(bench_stream, name)
+        monkeypatch.setattr(
+            bench_stream, name, lambda *a, real=real, name=name: probes.append(name) or real(*a)
+        )
     result = run_stream_bench(
         48,
         64,
@@ -40,6 +49,7 @@ def test_tiny_bench_delivers_everything_and_prints_the_line(tmp_path: Path) -> N
         progress=False,
     )
     assert result.delivered == result.published == 48 and result.runs == 2
+    assert probes == ["_tcp_copy_mb_per_s", "_disk_mb_per_s"] * 2
     pairs = [field.split("=") for field in result.line().split()]
     assert [k for k, _ in pairs] == KEYS
     values = {k: float(v) for k, v in pairs}
