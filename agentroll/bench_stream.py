@@ -430,10 +430,8 @@ def run_stream_bench(
                 proc.kill()
                 proc.wait()
     stream = [r for r in runs if r.fmt == "msgpack" and not r.conversation]
-    full = [r for r in runs if r.fmt == "msgpack" and r.conversation]
-    # the lower median for an even count: never the better of two runs
-    median = sorted(stream, key=lambda r: r.mb_per_s)[(len(stream) - 1) // 2]
-    full_median = sorted(full, key=lambda r: r.mb_per_s)[(len(full) - 1) // 2]
+    median = _lower_median(stream)
+    full_median = _lower_median([r for r in runs if r.fmt == "msgpack" and r.conversation])
     json_run = next(r for r in runs if r.fmt == "json")
     return StreamBenchResult(
         published=n,
@@ -468,6 +466,11 @@ class _Run:
     @property
     def mb_per_s(self) -> float:
         return self.nbytes / self.seconds / _MB
+
+
+def _lower_median(runs: list[_Run]) -> _Run:
+    """The median run by MB/s; for an even count the lower one (never the better of two)."""
+    return sorted(runs, key=lambda r: r.mb_per_s)[(len(runs) - 1) // 2]
 
 
 def main_stream(trajectories: int, tokens: int) -> None:

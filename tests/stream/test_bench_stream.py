@@ -5,6 +5,7 @@ positive, the limits are measured once per repeat and the limit is the smaller o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,12 +33,19 @@ KEYS = [
 def test_tiny_bench_delivers_everything_and_prints_the_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    probes: list[str] = []  # the limits are measured once per repeat, before its pair of runs
+    events: list[str] = []  # the limits are measured once per repeat, before its pair of runs
     for name in ("_tcp_copy_mb_per_s", "_disk_mb_per_s"):
         real = getattr(bench_stream, name)
         monkeypatch.setattr(
-            bench_stream, name, lambda *a, real=real, name=name: probes.append(name) or real(*a)
+            bench_stream, name, lambda *a, real=real, name=name: events.append(name) or real(*a)
         )
+    consume = bench_stream._consume
+
+    async def counted(*args: Any) -> int:
+        events.append("run")
+        return await consume(*args)
+
+    monkeypatch.setattr(bench_stream, "_consume", counted)
     result = run_stream_bench(
         48,
         64,
@@ -49,7 +57,8 @@ def test_tiny_bench_delivers_everything_and_prints_the_line(
         progress=False,
     )
     assert result.delivered == result.published == 48 and result.runs == 2
-    assert probes == ["_tcp_copy_mb_per_s", "_disk_mb_per_s"] * 2
+    limits = ["_tcp_copy_mb_per_s", "_disk_mb_per_s"]
+    assert events == (limits + ["run", "run"]) * 2 + ["run"]  # the last: the JSON stream
     pairs = [field.split("=") for field in result.line().split()]
     assert [k for k, _ in pairs] == KEYS
     values = {k: float(v) for k, v in pairs}
