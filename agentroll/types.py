@@ -246,8 +246,8 @@ def _enc_hook(obj: Any) -> Any:
         data = obj.data
         if name is not None and data.c_contiguous:
             return _ArrayOut(name, data)
-        if obj.dtype.byteorder == ">":
-            obj = obj.astype(obj.dtype.newbyteorder("<"))
+        if obj.dtype.byteorder == ">":  # C order too: astype keeps a transposed layout
+            obj = obj.astype(obj.dtype.newbyteorder("<"), order="C")
         elif not obj.flags.c_contiguous:
             obj = np.ascontiguousarray(obj)
         # the array's own bytes (msgspec copies them into its output once; tobytes() was a

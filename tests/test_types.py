@@ -130,6 +130,7 @@ def test_strided_array_views_round_trip_as_their_values(fmt: str) -> None:
         np.arange(6, dtype=">i4"),  # big-endian: written little-endian
         np.arange(12, dtype=np.float32)[::3],  # strided view: its values
         np.arange(6, dtype=np.int64).reshape(2, 3).T,  # Fortran order: C-order values
+        np.arange(6, dtype=">f8").reshape(2, 3).T,  # both: astype alone kept the layout
         np.array([True, False, True]),
         np.arange(5, dtype=np.float16),
         np.array([-1, 7], dtype="<i4"),
