@@ -191,6 +191,7 @@ class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
             (self.buffer.capacity >= 1, "buffer.capacity must be >= 1"),
             (
                 self.trainer.batch_size >= 1
+                and self.rollout.samples_per_task >= 1  # (the list is built before checking)
                 and self.trainer.batch_size % self.rollout.samples_per_task == 0,
                 "trainer.batch_size must be a positive multiple of rollout.samples_per_task "
                 f"({self.rollout.samples_per_task}), so whole groups make a batch",

@@ -35,6 +35,25 @@ TOKEN_ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
 }
 
 
+def _as_token_array(name: str, values: Any, dtype: np.dtype[Any]) -> np.ndarray:
+    """``values`` as ``Trajectory.<name>``'s dtype.  Into an integer array a conversion must
+    keep every value (``np.ones(n)`` is fine; NaN, fractions and out-of-range integers raise
+    ``ValueError`` instead of wrapping around in silence); into ``logprobs`` any numbers."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        try:
+            arr = np.asarray(values, dtype=dtype)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"Trajectory.{name} cannot be {dtype}: {exc}") from exc
+        if dtype.kind in "iu":
+            src = np.asarray(values)
+            if src.dtype != dtype and src.size and not np.array_equal(arr, src):
+                raise ValueError(
+                    f"Trajectory.{name} must hold {dtype} values; converting its {src.dtype} "
+                    "array would change some of them (NaN, fractions or out of range)"
+                )
+    return arr
+
+
 def new_id() -> str:
     """A random, globally unique identifier (32 hex digits)."""
     return uuid.uuid4().hex
@@ -189,7 +208,7 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
         for name, dtype in TOKEN_ARRAY_DTYPES.items():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
-                arr = np.asarray(arr, dtype=dtype)
+                arr = _as_token_array(name, arr, dtype)
                 setattr(self, name, arr)
             if arr.ndim != 1 or len(arr) != n:
                 raise ValueError(
@@ -259,6 +278,23 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
+def wire_dtype(name: object) -> np.dtype[Any]:
+    """The dtype an array object on the wire names: a plain bool, integer or float type
+    (``"<i4"``, ``"|u1"``, ``"<f4"`` ...).  Anything else -- not a string, not a dtype,
+    structured (``"i4,i4"``), a sub-array, object, text or dates -- raises ``ValueError``: the
+    name comes from the peer, and numpy's parser raises whatever it likes (a ``SyntaxError``
+    for ``","``)."""
+    if not isinstance(name, str):
+        raise ValueError(f"an array's dtype must be a string, got {type(name).__name__}")
+    try:
+        dtype = np.dtype(name)
+    except Exception as exc:  # numpy's dtype parser: TypeError, SyntaxError, ValueError ...
+        raise ValueError(f"unknown array dtype {name[:40]!r}") from exc
+    if dtype.kind not in "biuf" or dtype.fields is not None or dtype.shape != ():
+        raise ValueError(f"unsupported array dtype {name[:40]!r}; use a bool, int or float type")
+    return dtype
+
+
 def _dec_hook(typ: type, obj: Any) -> Any:
     if typ is np.ndarray:
         if not isinstance(obj, dict) or "dtype" not in obj or "data" not in obj:
@@ -266,7 +302,7 @@ def _dec_hook(typ: type, obj: Any) -> Any:
         data = obj["data"]
         if isinstance(data, str):  # JSON carries bytes as base64
             data = base64.b64decode(data)
-        return np.frombuffer(data, dtype=np.dtype(obj["dtype"])).copy()
+        return np.frombuffer(data, dtype=wire_dtype(obj["dtype"])).copy()
     raise NotImplementedError(f"cannot decode {typ!r}")
 
 

@@ -39,6 +39,7 @@ def test_unbounded_staleness_round_trips() -> None:
         ("[buffer]\nmax_staleness = -1", "buffer.max_staleness"),
         ("[nonsense]\nx = 1", "nonsense"),
         ('[backend]\nreplicas = "two"', "backend.replicas"),
+        ("[rollout]\nsamples_per_task = 0", "rollout.samples_per_task"),  # was a ZeroDivisionError
     ],
 )
 def test_errors_name_the_field(text: str, field: str) -> None:

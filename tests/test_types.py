@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from agentroll.types import (
+    TOKEN_ARRAY_DTYPES,
     Message,
     ToolCall,
     ToolResult,
@@ -96,6 +97,39 @@ def test_32k_trajectory_encodes_as_packed_bytes_fast() -> None:
 def test_arrays_must_have_equal_length() -> None:
     with pytest.raises(ValueError, match="len\\(token_ids\\)"):
         Trajectory(id="x", task_id="t", group_id="g", token_ids=[1, 2], logprobs=[0.0])
+
+
+def test_integer_arrays_take_any_numbers_that_convert_exactly() -> None:
+    t = Trajectory(
+        id="x",
+        task_id="t",
+        group_id="g",
+        token_ids=np.arange(3, dtype=np.int64),
+        loss_mask=np.r_[0, np.ones(2)],  # float64 zeros and ones: what np.ones gives
+        logprobs=[math.nan, -1.0, -2.0],
+        policy_version=np.r_[-1.0, 3, 3],
+        kv_version=[-1, 2, 3],
+    )
+    assert t.loss_mask.dtype == np.uint8 and t.loss_mask.tolist() == [0, 1, 1]
+    assert t.policy_version.tolist() == [-1, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "field, values",
+    [
+        ("token_ids", np.array([1.5, 2.0, 3.0])),  # a fraction
+        ("token_ids", np.array([2**40, 1, 2])),  # out of int32: wrapped around before
+        ("token_ids", [2**40, 1, 2]),
+        ("loss_mask", np.array([-1, 0, 1])),  # out of uint8
+        ("policy_version", np.array([np.nan, 0.0, 0.0])),  # NaN: INT_MIN before
+        ("kv_version", np.array(["a", "b", "c"])),
+    ],
+)
+def test_integer_arrays_refuse_conversions_that_change_values(field: str, values: object) -> None:
+    arrays: dict[str, object] = {name: np.zeros(3) for name in TOKEN_ARRAY_DTYPES}
+    arrays[field] = values
+    with pytest.raises(ValueError, match=f"Trajectory.{field}"):
+        Trajectory(id="x", task_id="t", group_id="g", **arrays)  # type: ignore[arg-type]
 
 
 def test_bad_wire_input_is_a_validation_error() -> None:

@@ -33,6 +33,7 @@ from agentroll.types import (
     decode_msgpack,
     encode_json,
     encode_msgpack,
+    wire_dtype,
 )
 
 if TYPE_CHECKING:
@@ -521,12 +522,7 @@ _ARRAY_FIELDS = tuple(TOKEN_ARRAY_DTYPES)
 def _dtype(name: str) -> np.dtype[Any]:
     dtype = _DTYPES.get(name)
     if dtype is None:
-        try:
-            dtype = np.dtype(name)
-        except TypeError as exc:
-            raise ValueError(f"unknown array dtype {name!r}") from exc
-        if dtype.hasobject:
-            raise ValueError(f"unsupported array dtype {name!r}")
+        dtype = wire_dtype(name)
         if len(_DTYPES) < 64:
             _DTYPES[name] = dtype
     return dtype

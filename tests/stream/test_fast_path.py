@@ -132,6 +132,20 @@ def test_decode_lease_rejects_malformed_bodies() -> None:
         decode_lease(msgspec.msgpack.encode(raw))
 
 
+# what numpy's dtype parser makes of names a peer may send: "," and ",4" raised SyntaxError
+# (out of both decoders), "i4,i4" is a structured dtype, "(2,)i4" a sub-array
+@pytest.mark.parametrize("name", [",", ",4", "i4,i4", "(2,)i4", "O", "U4", "M8", "V4", "c8"])
+@pytest.mark.parametrize("conversation", [True, False])
+def test_decode_lease_takes_only_plain_number_dtypes(name: str, conversation: bool) -> None:
+    raw = msgspec.msgpack.decode(encode_msgpack(batch(1)))
+    raw["trajectories"][0]["token_ids"]["dtype"] = name
+    body = msgspec.msgpack.encode(raw)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_lease(body, conversation=conversation)
+    with pytest.raises(msgspec.ValidationError, match="dtype"):  # the spool's restore path
+        decode_msgpack(msgspec.msgpack.encode(raw["trajectories"][0]), Trajectory)
+
+
 # -- FastTransport against a scripted HTTP/1.1 server --------------------------------------
 
 BIG = bytes(range(256)) * 1200  # 307200 bytes: received into a buffer that is not zeroed
