@@ -380,11 +380,18 @@ class RolloutService:
 
     def _load_stopped(self) -> list[EpisodeCheckpoint]:
         """Checkpoints and finished members of unfinished groups left by the last stop."""
-        checkpoints = load_checkpoints(self.checkpoint_dir) if self.checkpoint_dir.is_dir() else []
-        finished = self.checkpoint_dir / FINISHED
+        try:
+            checkpoints = load_checkpoints(self.checkpoint_dir)
+            finished = self.checkpoint_dir / FINISHED
+            stopped = read_trajectories(finished) if finished.is_file() else []
+        except ValueError as exc:  # damaged: refuse to start rather than drop episodes
+            raise ConfigError(
+                f"cannot continue the stopped run: {exc}; move what is damaged out of "
+                f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
+            ) from exc
+        for t in stopped:
+            self._groups.setdefault(t.group_id, []).append(t)
         if finished.is_file():
-            for t in read_trajectories(finished):
-                self._groups.setdefault(t.group_id, []).append(t)
             finished.unlink()
         self._restored = len(checkpoints) + sum(len(g) for g in self._groups.values())
         self._continued = {cp.episode_id for cp in checkpoints}

@@ -153,6 +153,10 @@ def _damage(path: Path, how: str) -> None:
         (path / "request").rmdir()
     elif how == "request_meta":
         (path / "request" / "meta.msgpack").write_bytes(b"\x00\x01")
+    elif how == "request_k":  # something where k is written as nil (the KV is separate)
+        meta = msgspec.msgpack.decode((path / "request" / "meta.msgpack").read_bytes())
+        meta["k"] = 1
+        (path / "request" / "meta.msgpack").write_bytes(msgspec.msgpack.encode(meta))
     elif how == "request_kv":
         (path / "request" / "kv.safetensors").unlink()
     elif how == "ragged":
@@ -170,6 +174,7 @@ def _damage(path: Path, how: str) -> None:
         ("truncated", "unreadable episode.msgpack"),
         ("no_request", "mid-generation but has no request/"),
         ("request_meta", "unreadable meta.msgpack"),
+        ("request_k", "unreadable meta.msgpack"),  # was a NotImplementedError
         ("request_kv", "unreadable kv.safetensors"),
         ("ragged", "ragged token arrays"),
         ("format", "has format 99"),

@@ -37,6 +37,19 @@ def test_cycle_tasks_repeats_each_epoch_in_a_new_order() -> None:
     assert first != second
 
 
+def test_a_damaged_checkpoint_stops_the_start_with_what_to_do(tmp_path: Path) -> None:
+    """A checkpoint left by the last stop that cannot be read is not skipped (its episode
+    would vanish): the start fails with a ConfigError naming it and the way out."""
+    from agentroll.errors import ConfigError
+
+    damaged = tmp_path / "checkpoints" / "episode-1"
+    damaged.mkdir(parents=True)
+    (damaged / "episode.msgpack").write_bytes(b"\x93not a checkpoint")
+    service = RolloutService(parse_recipe(HEAD), model_dir=tmp_path, run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"episode-1.*move what is damaged out of"):
+        service._load_stopped()
+
+
 async def _serve(recipe: Recipe, model: Path, run_dir: Path) -> tuple[Any, asyncio.Event, str]:
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()

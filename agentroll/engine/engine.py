@@ -188,7 +188,9 @@ def _enc(obj: object) -> object:
 
 
 def _dec(typ: type, obj: object) -> object:
-    raise NotImplementedError(f"cannot decode {typ!r}")
+    # a ValueError is a ValidationError to msgspec (a damaged meta.msgpack that holds
+    # something where k and v are written as nil); NotImplementedError escaped it
+    raise ValueError(f"unexpected {type(obj).__name__} for a {getattr(typ, '__name__', typ)}")
 
 
 class LLMEngine:
