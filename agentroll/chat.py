@@ -371,6 +371,10 @@ class HermesToolParser:
             args = {}
         if not isinstance(args, dict):
             return None, f"arguments of tool call {name!r} must be a JSON object"
+        try:  # a "\ud800" escape decodes to a lone surrogate: no trajectory could hold it
+            msgspec.json.encode([name, args])
+        except UnicodeEncodeError:
+            return None, f"tool call {name!r} holds a lone surrogate escape (not valid Unicode)"
         return ToolCall(id=call_id, name=name, arguments=args), ""
 
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from agentroll.chat import ChatTokenizer, HermesToolParser
 from agentroll.errors import ChatTemplateError
 from agentroll.tokenizer import CHAT_TEMPLATE, build_tokenizer, save_tokenizer
-from agentroll.types import Message, ToolCall, ToolSpec
+from agentroll.types import Message, ToolCall, ToolSpec, encode_msgpack
 
 TOOLS = [
     ToolSpec(name="calc", description="Evaluate.", parameters={"type": "object", "properties": {}})
@@ -153,6 +153,9 @@ def test_parses_hermes_calls() -> None:
         ('<tool_call>{"name": "calc", "arguments": "nope"}</tool_call>', "not a JSON object"),
         ('<tool_call>{"name": "calc", "arguments": {}}', "not closed"),
         ("text </tool_call>", "without its opening"),
+        # lone surrogates: json.loads takes them, no trajectory could be encoded with them
+        ('<tool_call>{"name": "calc", "arguments": {"e": "\\ud800"}}</tool_call>', "surrogate"),
+        ('<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>', "surrogate"),
     ],
 )
 def test_malformed_calls_become_errors(text: str, fragment: str) -> None:
@@ -182,6 +185,7 @@ def test_plain_text_has_no_calls() -> None:
                     "\\",
                     "1e999",
                     "null",
+                    '"\\ud800"',
                 ]
             ),
             st.text(max_size=20),
@@ -194,6 +198,7 @@ def test_parser_never_crashes(text: str) -> None:
     assert isinstance(out.content, str)
     for call in out.tool_calls:
         assert isinstance(call.name, str) and isinstance(call.arguments, dict)
+        encode_msgpack(call)  # every call can go into a trajectory
 
 
 def test_deeply_nested_json_is_an_error_not_a_crash() -> None:

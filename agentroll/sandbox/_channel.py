@@ -157,7 +157,7 @@ class AgentChannel:
             self._fail("the agent's stream ended (the container stopped or was removed)")
         except (ConnectionError, OSError) as exc:
             self._fail(f"the agent's stream broke: {exc}")
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, RecursionError) as exc:  # RecursionError: "[[[[..."
             self._fail(f"the agent sent a malformed frame: {exc}")
 
     def _on_stderr(self, data: bytes) -> None:
@@ -180,10 +180,13 @@ class AgentChannel:
             body = bytes(self._buf[_FRAME.size : _FRAME.size + size])
             del self._buf[: _FRAME.size + size]
             msg = json.loads(body)
+            if not isinstance(msg, dict):
+                raise ValueError(f"a frame that is not a JSON object ({type(msg).__name__})")
             if "hello" in msg and not self._hello.done():
                 self._hello.set_result(msg)
                 continue
-            fut = self._pending.get(msg.get("id"))
+            req_id = msg.get("id")
+            fut = self._pending.get(req_id) if isinstance(req_id, int) else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 

@@ -229,6 +229,25 @@ async def test_channel_demultiplexes_docker_frames() -> None:
         await channel.request({"op": "ping"})
 
 
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"hello"', b"7", b"[" * 100_000, b"\xff{"])
+async def test_a_frame_that_is_not_a_json_object_fails_the_channel(body: bytes) -> None:
+    """What the container sends is not trusted: a frame that is valid JSON but no object
+    (or too deep for the parser, or not UTF-8) fails every request with SandboxError; it
+    used to end the reader with an AttributeError or a RecursionError and leave requests
+    waiting."""
+    reader = asyncio.StreamReader()
+    channel = AgentChannel(reader, _NullWriter(), multiplexed=False, name="odd")  # type: ignore[arg-type]
+    hello = b'{"hello": 1, "pid": 7}'
+    reader.feed_data(struct.pack(">I", len(hello)) + hello)
+    await channel.start(5)
+    pending = asyncio.ensure_future(channel.request({"op": "ping"}))
+    await asyncio.sleep(0)
+    reader.feed_data(struct.pack(">I", len(body)) + body)
+    with pytest.raises(SandboxError, match="malformed frame"):
+        await asyncio.wait_for(pending, 5)
+    assert not channel.alive
+
+
 class _NullWriter:
     def write(self, data: bytes) -> None:
         pass
