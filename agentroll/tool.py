@@ -261,6 +261,12 @@ async def call_tool(
     if len(content) > limit:
         half = limit // 2
         content = f"{content[:half]}\n...[{len(content) - 2 * half} characters elided]...\n{content[-half:]}"
+    if not content.isascii():
+        try:
+            content.encode()
+        except UnicodeEncodeError:  # lone surrogates (os.listdir names, a "\udcff" escape):
+            # no tokenizer or trajectory takes them; each becomes "?"
+            content = content.encode("utf-8", "replace").decode()
     return ToolResult(
         call_id=call.id,
         name=call.name,

@@ -15,7 +15,7 @@ from agentroll.errors import ConfigError, ToolError
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.testing import FakeSandbox
-from agentroll.types import Message, Task, Trajectory
+from agentroll.types import Message, Task, Trajectory, decode_msgpack, encode_msgpack
 
 CFG = RolloutConfig(concurrency=8, progress="off", tool_timeout=5.0)
 
@@ -336,6 +336,26 @@ async def test_long_tool_output_is_cut_for_the_model(tok: ChatTokenizer) -> None
     )
     content = t.turns[0].tool_results[0].content
     assert len(content) < 1100 and content.endswith("END") and "characters elided" in content
+
+
+async def test_tool_output_that_is_not_valid_unicode_reaches_the_model_replaced(
+    tok: ChatTokenizer,
+) -> None:
+    """A tool returning lone surrogates (file names from os.listdir, a "\\udcff" escape)
+    used to end the episode when its text was tokenized or its trajectory encoded."""
+
+    class Odd(Environment):
+        @tool
+        def names(self) -> str:
+            """Lists odd names."""
+            return "caf\udce9.txt and \ud800 ok"
+
+    [t] = await run_all(
+        MockBackend([call("names", "{}"), "ok"], tokenizer=tok), Odd(), tok, tasks(1)
+    )
+    assert t.status == "ok", t.error
+    assert t.turns[0].tool_results[0].content == "caf?.txt and ? ok"
+    assert decode_msgpack(encode_msgpack(t), Trajectory).messages == t.messages
 
 
 async def test_breaking_out_of_run_cancels_running_episodes(tok: ChatTokenizer) -> None:
