@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -360,8 +361,11 @@ class RolloutEngine:
                 t.status, t.error = "failed", f"group reward failed: {type(exc).__name__}: {exc}"
             return trajs
         for t, s in zip(scorable, scores, strict=True):
-            t.rewards.update(s)
-            t.reward = rubric.combine(t.rewards)
+            rewards = {**t.rewards, **s}
+            try:
+                t.rewards, t.reward = _finite(rewards, rubric.combine(rewards))
+            except ValueError as exc:
+                t.status, t.error = "failed", f"group reward failed: {exc}"
         return trajs
 
     # -- one episode -------------------------------------------------------------------------
@@ -715,16 +719,24 @@ class RolloutEngine:
     async def _score(self, env: Environment, state: EpisodeState, traj: Trajectory) -> None:
         """Set ``traj.rewards`` and ``traj.reward`` from the rubric or ``env.reward``."""
         if env.rubric is not None:
-            traj.rewards = await env.rubric.score(env, traj, state, self._executor)
-            traj.reward = env.rubric.combine(traj.rewards)
+            rewards = await env.rubric.score(env, traj, state, self._executor)
+            traj.rewards, traj.reward = _finite(rewards, env.rubric.combine(rewards))
             return
         value = await call_hook(env.reward, traj, state, executor=self._executor)
         if isinstance(value, dict):
-            traj.rewards = {k: float(v) for k, v in value.items()}
-            traj.reward = float(sum(traj.rewards.values()))
+            rewards = {k: float(v) for k, v in value.items()}
+            traj.rewards, traj.reward = _finite(rewards, float(sum(rewards.values())))
         else:
-            traj.rewards = {"reward": float(value)}
-            traj.reward = float(value)
+            traj.rewards, traj.reward = _finite({"reward": float(value)}, float(value))
+
+
+def _finite(rewards: dict[str, float], total: float) -> tuple[dict[str, float], float]:
+    """``(rewards, total)`` if every value is finite; else ``ValueError`` naming the culprit
+    (the episode fails: a NaN would make its whole group's advantages NaN in training)."""
+    bad = {k: v for k, v in rewards.items() if not math.isfinite(v)}
+    if bad or not math.isfinite(total):
+        raise ValueError(f"rewards must be finite numbers, got {bad or {'total': total}}")
+    return rewards, total
 
 
 __all__ = ["RolloutConfig", "RolloutEngine", "TrajectoryBuilder", "episode_seed"]

@@ -1,4 +1,5 @@
 import asyncio
+import math
 import os
 import time
 from pathlib import Path
@@ -246,6 +247,20 @@ async def test_groups_and_group_rewards(tok: ChatTokenizer) -> None:
         assert sum(m.rewards["longest_wins"] for m in members) >= 1
 
 
+async def test_a_group_reward_that_is_not_finite_fails_that_sample(tok: ChatTokenizer) -> None:
+    def first_is_nan(trajectories: list[Trajectory]) -> list[float]:
+        return [math.nan if t.sample_index == 0 else 1.0 for t in trajectories]
+
+    class Grouped(Calc):
+        rubric = Rubric([], [], group_funcs=[first_is_nan], group_weights=[1.0])
+
+    cfg = RolloutConfig(progress="off", samples_per_task=3)
+    trajs = await run_all(MockBackend(["42"], tokenizer=tok), Grouped(), tok, tasks(1), cfg)
+    by_index = {t.sample_index: t for t in trajs}
+    assert by_index[0].status == "failed" and "finite" in (by_index[0].error or "")
+    assert [by_index[i].reward for i in (1, 2)] == [1.0, 1.0]
+
+
 async def test_seeds_are_deterministic_and_requests_are_seeded(tok: ChatTokenizer) -> None:
     backend = MockBackend(["42"], tokenizer=tok, record=True)
     a = await run_all(backend, Calc(), tok, tasks(3))
@@ -356,6 +371,22 @@ async def test_tool_output_that_is_not_valid_unicode_reaches_the_model_replaced(
     assert t.status == "ok", t.error
     assert t.turns[0].tool_results[0].content == "caf?.txt and ? ok"
     assert decode_msgpack(encode_msgpack(t), Trajectory).messages == t.messages
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, {"a": 1.0, "b": -math.inf}])
+async def test_a_reward_that_is_not_finite_fails_the_episode(
+    tok: ChatTokenizer, value: Any
+) -> None:
+    """A NaN reward would make its whole group's advantages NaN (and the trainer refuse the
+    batch): the episode fails instead, and its reward stays 0."""
+
+    class Bad(Environment):
+        async def reward(self, trajectory: Trajectory, state: EpisodeState) -> Any:
+            return value
+
+    [t] = await run_all(MockBackend(["done"], tokenizer=tok), Bad(), tok, tasks(1))
+    assert t.status == "failed" and "rewards must be finite" in (t.error or "")
+    assert t.reward == 0.0
 
 
 async def test_breaking_out_of_run_cancels_running_episodes(tok: ChatTokenizer) -> None:
