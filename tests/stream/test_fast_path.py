@@ -15,6 +15,8 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentroll.bench_stream import synthetic_trajectory
 from agentroll.stream.client import FastTransport, LeaseBatch, decode_lease
@@ -297,3 +299,66 @@ async def test_a_received_body_is_not_kept_by_the_response() -> None:
     body = _Body(bytearray(b"abc"))
     parts = [part async for part in body]
     assert parts == [bytearray(b"abc")] and body.data == bytearray()
+
+
+_BODY = encode_msgpack(batch(2))
+_JBODY = encode_json(batch(2))
+
+
+def _mutated(data: bytes, edits: list[tuple[int, int, bytes]]) -> bytes:
+    out = bytearray(data)
+    for at, cut, insert in edits:  # replace out[at:at+cut] with insert (positions wrap)
+        i = at % (len(out) + 1)
+        out[i : i + cut] = insert
+    return bytes(out)
+
+
+_EDITS = st.lists(
+    st.tuples(st.integers(0, 1 << 20), st.integers(0, 8), st.binary(max_size=6)),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(edits=_EDITS, fmt=st.sampled_from(["msgpack", "json"]), conversation=st.booleans())
+def test_a_damaged_lease_body_decodes_consistently_or_raises_a_value_error(
+    edits: list[tuple[int, int, bytes]], fmt: str, conversation: bool
+) -> None:
+    """Whatever bytes arrive, the decoders answer with self-consistent trajectories or a
+    ValueError (msgspec's errors are ValueErrors): never SyntaxError, TypeError, ..."""
+    body = _mutated(_BODY if fmt == "msgpack" else _JBODY, edits)
+    try:
+        got = decode_lease(body, json=fmt == "json", conversation=conversation)
+        alone = (
+            decode_msgpack(body, LeaseBatch) if fmt == "msgpack" else decode_json(body, LeaseBatch)
+        )
+    except ValueError:
+        return
+    for t in [*got.trajectories, *alone.trajectories]:
+        for name, dtype in TOKEN_ARRAY_DTYPES.items():
+            arr = getattr(t, name)
+            assert arr.dtype == dtype and arr.shape == t.token_ids.shape
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.text(alphabet=",()[]<>|:0123456789ibufcOSUVMmb ", max_size=8),
+    field=st.sampled_from(list(TOKEN_ARRAY_DTYPES)),
+)
+def test_any_dtype_name_decodes_or_raises_a_value_error(name: str, field: str) -> None:
+    """The dtype names of a body are the peer's: numpy's parser raised SyntaxError for ","
+    (out of both decoders) and took structured and sub-array names."""
+    raw = msgspec.msgpack.decode(_BODY)
+    raw["trajectories"][0][field]["dtype"] = name
+    body = msgspec.msgpack.encode(raw)
+    for decode in (
+        lambda: decode_lease(body).trajectories,
+        lambda: decode_lease(body, conversation=False).trajectories,
+        lambda: decode_msgpack(body, LeaseBatch).trajectories,
+    ):
+        try:
+            trajectories = decode()
+        except ValueError:
+            continue
+        assert getattr(trajectories[0], field).dtype == TOKEN_ARRAY_DTYPES[field]
