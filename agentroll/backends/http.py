@@ -256,8 +256,13 @@ class HTTPBackend(CheckedBackend, Backend):
                         raise _HTTPStatus(500, str(event["error"])[:300])
                     choice = event["choices"][0]
                     ids = list(choice.get("token_ids") or [])
+                    if not all(type(i) is int and 0 <= i < 1 << 31 for i in ids):
+                        # what a broken server sent must not reach a trajectory: retried
+                        raise _HTTPStatus(502, f"the server sent token ids {ids[:8]!r}")
                     lps_raw = (choice.get("logprobs") or {}).get("token_logprobs")
                     lps = [float(x) for x in lps_raw] if lps_raw else [0.0] * len(ids)
+                    if len(lps) != len(ids):
+                        raise _HTTPStatus(502, f"{len(lps)} logprobs for {len(ids)} tokens")
                     stream.produced += len(ids)
                     stream.last_event = time.monotonic()
                     stream.queue.put_nowait((ids, lps, choice.get("finish_reason")))
@@ -283,6 +288,12 @@ class HTTPBackend(CheckedBackend, Backend):
         try:
             while True:
                 remaining = request.sampling.max_tokens - len(delivered)
+                if remaining <= 0:  # each resubmission made progress, so failures reset
+                    raise BackendError(
+                        f"{self.base_url}: request {rid!r} has its {len(delivered)} tokens "
+                        "(max_tokens) but no finish reason came; the server does not follow "
+                        "the completions API"
+                    )
                 stream = live.stream = _Stream()
                 body = self._body(request, prompt + delivered, remaining)
                 stream.task = asyncio.get_running_loop().create_task(self._read(body, stream))

@@ -131,6 +131,37 @@ async def test_a_broken_stream_is_resubmitted_with_what_arrived() -> None:
     assert got.ids == [5, 6, 7, 8] and backend.stats["resubmitted"] == 1
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"choices": [{"token_ids": ["5"], "finish_reason": None}]},  # not an int
+        {"choices": [{"token_ids": [-1], "finish_reason": None}]},
+        {"choices": [{"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5]}}]},
+        {"choices": []},
+        {"nothing": 1},
+        [1, 2],
+    ],
+)
+async def test_a_server_sending_garbage_fails_the_call_not_the_trajectory(event: Any) -> None:
+    """Events that are not what the completions API sends are retried, then a BackendError;
+    no token of them is delivered."""
+    transport, _ = mock([f"data: {json.dumps(event)}\n\n".encode()])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.01, retries=1) as b:
+        with pytest.raises(BackendError, match="failed 2 times in a row"):
+            await run(b, request("r"))
+
+
+async def test_a_server_that_never_finishes_fails_the_call_instead_of_looping() -> None:
+    """Each broken stream delivered a token, so the retries never ran out: generate()
+    resubmitted forever, past max_tokens."""
+    endless = sse([5]).replace(b'"length"', b"null").replace(b"data: [DONE]\n\n", b"")
+    transport, seen = mock([endless])
+    async with HTTPBackend("http://server", transport=transport, backoff=0.001) as backend:
+        with pytest.raises(BackendError, match="no finish reason came"):
+            await run(backend, request("r", max_tokens=4))
+    assert seen.count("/v1/completions") == 4
+
+
 # -- a real vLLM server ----------------------------------------------------------------------
 
 _WHY = vllm_available()

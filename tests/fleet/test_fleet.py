@@ -77,6 +77,10 @@ class Traffic:
         self.chunks: list[tuple[str, str, GenerationChunk]] = []  # (replica, request, chunk)
         self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
         self._ended: str | None = None  # why later waits fail at once (the episodes ended)
+        # cleared: every call holds its next chunk, so none ends (a test that needs calls
+        # in flight at a moment of its choosing, whatever the machine's load)
+        self.flowing = asyncio.Event()
+        self.flowing.set()
         for replica in fleet.replicas.values():
             for method in ("generate", "restore"):
                 setattr(replica, method, self._wrap(replica.name, getattr(replica, method)))
@@ -87,6 +91,7 @@ class Traffic:
             try:
                 async for chunk in stream:
                     self.chunks.append((name, arg.request_id, chunk))
+                    await self.flowing.wait()
                     yield chunk
                     self._check()
             finally:
@@ -808,8 +813,14 @@ async def test_an_update_that_breaks_midway_leaves_the_fleet_serving(
 
         async def update(engine: RolloutEngine) -> None:
             await traffic.wait(lambda: bool(fleet.calls_on(reps[0].name)))
-            with pytest.raises(RuntimeError, match="injected"):
-                await fleet.update(updates[0])
+            # reps[0]'s calls stay in flight until its group moves them: under load they
+            # could end first, and the update went through without a snapshot (DID NOT RAISE)
+            traffic.flowing.clear()
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    await fleet.update(updates[0])
+            finally:
+                traffic.flowing.set()
             assert fleet.paused_replicas == set()
             assert all(fleet.status(r.name) == "active" for r in reps)
 
