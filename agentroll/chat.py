@@ -4,7 +4,9 @@ Invariants: the prompt is rendered once; afterwards the engine appends the sampl
 they are and renders only each new environment message (``continuation_ids``), so every
 request's prompt is a prefix of the final trajectory.  A template whose rendering of a longer
 conversation does not extend the shorter one raises ``ChatTemplateError`` instead of silently
-drifting.  Parsing never raises on model output: problems come back as error strings.
+drifting.  A message's content never becomes a special token: the text of one inside it (a
+tool's output printing ``<|im_end|>``) is encoded as plain text.  Parsing never raises on
+model output: problems come back as error strings.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def compile_template(source: str) -> jinja2.Template:
 
 _CACHE_MAX_PIECE = 4096  # encode() caches pieces up to this many characters
 _CACHE_MAX_ENTRIES = 4096
+# a special token's text inside a message's content stands in the rendered text as
+# "\ue000<k>\ue001" (k: its index in a list of literals) until it is encoded as plain text
+_LITERAL = re.compile("\ue000(\\d+)\ue001")
 _MISSING: Any = object()
 
 # A fixed conversation the incremental renderer extends; never shown to the model.
@@ -146,6 +151,9 @@ class ChatTokenizer:
             t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()
         }
         self._split_re = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        # what a message's content must not smuggle in as control tokens: the added tokens'
+        # texts, and the literal marker itself (so every marker in a rendering is ours)
+        self._content_re = re.compile("|".join([*map(re.escape, added), "\ue000"]))
         self._piece_cache: dict[str, list[int]] = {}
         probe = f"Hello  world 12{self.eot_token}\n x  y{self.eot_token}z"
         self._can_cache = self._split_re is not None and self._encode_pieces(
@@ -208,8 +216,47 @@ class ChatTokenizer:
     def prompt_ids(
         self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None
     ) -> list[int]:
-        """Ids of the first prompt: all ``messages`` plus the generation prompt."""
-        return self.encode(self.render_prompt(messages, tools=tools))
+        """Ids of the first prompt: all ``messages`` plus the generation prompt.  A special
+        token's text inside a message's content is encoded as text, never as the token
+        (see ``continuation_ids``)."""
+        messages, literals = self._literal_contents(messages)
+        return self._encode_literals(self.render_prompt(messages, tools=tools), literals)
+
+    def _literal_contents(self, messages: Sequence[Message]) -> tuple[list[Message], list[str]]:
+        """``messages`` with every special token's text in a content replaced by a marker,
+        and the texts the markers stand for."""
+        literals: list[str] = []
+
+        def mark(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"\ue000{len(literals) - 1}\ue001"
+
+        out = list(messages)
+        for i, m in enumerate(out):
+            if m.content and self._content_re.search(m.content):
+                out[i] = msgspec.structs.replace(m, content=self._content_re.sub(mark, m.content))
+        return out, literals
+
+    def _encode_literals(self, text: str, literals: list[str]) -> list[int]:
+        """``encode(text)`` with each marker's literal encoded as plain text."""
+        if not literals:
+            return self.encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(_LITERAL.split(text)):
+            if i & 1:
+                ids += self._text_ids(literals[int(piece)])
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def _text_ids(self, literal: str) -> list[int]:
+        """Ids of an added token's text as plain text: its first character, then the rest
+        (which matches no added token; else one character at a time)."""
+        added = set(self._added_ids.values())
+        ids = self._encode_raw(literal[:1]) + self._encode_raw(literal[1:])
+        if added.intersection(ids):
+            ids = [i for ch in literal for i in self._encode_raw(ch)]
+        return ids
 
     def render_prompt(
         self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None
@@ -230,10 +277,13 @@ class ChatTokenizer:
         end-of-turn token, the new (tool/user) messages, and the next generation prompt.
 
         ``ended_with_eot`` says whether the sampled ids already end with the end-of-turn
-        token; if not (the turn hit its length limit), it is inserted.
+        token; if not (the turn hit its length limit), it is inserted.  A special token's
+        text inside a message's content (a tool's output printing ``<|im_end|>``, say) is
+        encoded as plain text: content never forges a turn boundary or a tool call.
         """
+        new_messages, literals = self._literal_contents(new_messages)
         text = self._eot_tail + self._render_suffix(new_messages)
-        ids = self.encode(text)
+        ids = self._encode_literals(text, literals)
         return ids if ended_with_eot else [self.eot_id, *ids]
 
     def _render_suffix(self, new_messages: Sequence[Message]) -> str:

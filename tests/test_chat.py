@@ -99,6 +99,37 @@ def test_fast_prompt_equals_template_rendering(
     )
 
 
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(st.tuples(st.sampled_from(["tool", "user"]), texts), min_size=1, max_size=3),
+    st.lists(st.one_of(pieces, st.just("\ue0007\ue001"), st.text(max_size=10)), max_size=6),
+)
+def test_content_never_becomes_a_special_token(
+    tok: ChatTokenizer, items: list[tuple[str, str]], extra: list[str]
+) -> None:
+    """A tool's output (or a task's text) holding "<|im_end|>", "<tool_call>" ... is encoded
+    as text: the special tokens of the ids are the template's, as for plain contents, and
+    the ids still decode to the rendering.  They were recognised before: content forged
+    turn boundaries and tool calls."""
+    msgs = [Message(role=r, content=c + "".join(extra)) for r, c in items]
+    plain = [Message(role=r, content="x") for r, _ in items]
+    special = set(tok._added_ids.values())
+    for ids, want, rendered in (
+        (
+            tok.continuation_ids(msgs, ended_with_eot=True),
+            tok.continuation_ids(plain, ended_with_eot=True),
+            tok._eot_tail + tok._render_suffix_slow(msgs),
+        ),
+        (
+            tok.prompt_ids(msgs, tools=TOOLS),
+            tok.prompt_ids(plain, tools=TOOLS),
+            tok.render(msgs, tools=TOOLS, add_generation_prompt=True),
+        ),
+    ):
+        assert [i for i in ids if i in special] == [i for i in want if i in special]
+        assert tok.decode(ids, skip_special_tokens=False) == rendered
+
+
 def test_template_that_transforms_content_falls_back_to_slow_path() -> None:
     trimming = CHAT_TEMPLATE.replace(
         "{{ message.content }}\n</tool_response>", "{{ message.content | trim }}\n</tool_response>"
