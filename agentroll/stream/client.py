@@ -98,9 +98,12 @@ def _load_seen(path: Path) -> set[str]:
         if not line.endswith(b"\n"):
             break
         try:
-            seen.update(json.loads(line))
+            ids = json.loads(line)
         except ValueError:
             break
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            break  # damaged: what follows is dropped like a torn tail
+        seen.update(ids)
         good += len(line)
     if good < len(data):
         with open(path, "r+b") as f:

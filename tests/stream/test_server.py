@@ -248,6 +248,18 @@ async def test_consumer_killed_mid_batch_gets_the_unacked_rest(tmp_path: Path) -
         assert sorted(received) == [f"t-0000000{i}" for i in range(2, 6)]
 
 
+@pytest.mark.parametrize("damaged", ["5", '{"a": 1}', "[1, 2]", '["t", 3]'])
+def test_a_damaged_seen_file_line_ends_it_like_a_torn_tail(tmp_path: Path, damaged: str) -> None:
+    """JSON that is not a list of ids (a flipped bit, another program's file): what follows
+    is dropped, as after a torn line (it raised TypeError from set.update before)."""
+    from agentroll.stream.client import _load_seen
+
+    seen = tmp_path / "seen.jsonl"
+    seen.write_text(f'["t-1"]\n{damaged}\n["t-2"]\n')
+    assert _load_seen(seen) == {"t-1"}
+    assert seen.read_text() == '["t-1"]\n'
+
+
 async def test_acked_before_restart_is_never_yielded_and_is_reacked(tmp_path: Path) -> None:
     seen = tmp_path / "seen.jsonl"
     seen.write_text('["t-00000000"]\n')  # acked by a previous consumer; the worker forgot it
