@@ -43,6 +43,8 @@ def trace_shapes(path: str | Path) -> list[list[str]]:
         try:
             messages = json.loads(line)["messages"]
             question = next(m["content"] for m in messages if m["role"] == "user")
+            if not isinstance(question, str):
+                raise TypeError(f"the user message's content is {type(question).__name__}")
         except (ValueError, KeyError, StopIteration, TypeError) as exc:
             raise ConfigError(f"{path}:{n}: not a trace with a user message ({exc})") from exc
         found = _QUESTION.search(question)

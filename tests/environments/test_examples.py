@@ -97,6 +97,24 @@ def test_calculator_tasks_are_a_pure_function_of_the_seed() -> None:
         assert task.answer == evaluate(expression_of(task)) == eval(expression_of(task))
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        '{"messages": 5}',
+        '{"messages": [{"role": "assistant", "content": "x"}]}',
+        '{"messages": [{"role": "user", "content": 7}]}',  # a TypeError out of re before
+    ],
+)
+def test_a_malformed_trace_names_its_line(tmp_path: Path, line: str) -> None:
+    from agentroll.errors import ConfigError
+
+    traces = tmp_path / "t.jsonl"
+    traces.write_text('{"messages": [{"role": "user", "content": "What is 1 + 2?"}]}\n' + line)
+    with pytest.raises(ConfigError, match=r"t\.jsonl:2: not a trace"):
+        load_environment("calculator", num_tasks=2, traces=str(traces))
+
+
 @pytest.mark.parametrize(("slip", "reward"), [(0, 1.0), (1, 0.0), (None, 0.0)])
 async def test_calculator_rewards_exactly_the_right_answer(slip: int | None, reward: float) -> None:
     env = load_environment("calculator", num_tasks=3, seed=1)
