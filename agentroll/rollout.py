@@ -513,7 +513,7 @@ class RolloutEngine:
         # prompt_ids, not encode(render_prompt(...)): a special token's text in a task's
         # content must be encoded as text
         tok = self.tokenizer
-        if sum(len(m.content) for m in messages) > _LONG_TEXT:
+        if len(tok.render_prompt(messages, tools=self._tool_specs)) > _LONG_TEXT:
             return await asyncio.get_running_loop().run_in_executor(
                 self._executor,
                 functools.partial(tok.prompt_ids, messages, tools=self._tool_specs),
