@@ -154,6 +154,7 @@ class ChatTokenizer:
         # what a message's content must not smuggle in as control tokens: the added tokens'
         # texts, and the literal marker itself (so every marker in a rendering is ours)
         self._content_re = re.compile("|".join([*map(re.escape, added), "\ue000"]))
+        self._added_id_set = frozenset(self._added_ids.values())
         self._piece_cache: dict[str, list[int]] = {}
         probe = f"Hello  world 12{self.eot_token}\n x  y{self.eot_token}z"
         self._can_cache = self._split_re is not None and self._encode_pieces(
@@ -219,8 +220,16 @@ class ChatTokenizer:
         """Ids of the first prompt: all ``messages`` plus the generation prompt.  A special
         token's text inside a message's content is encoded as text, never as the token
         (see ``continuation_ids``)."""
+        return self.encode_rendered(*self.prompt_text(messages, tools=tools))
+
+    def prompt_text(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] | None = None
+    ) -> tuple[str, list[str]]:
+        """The first prompt's rendering, with each special token's text inside a content as
+        a marker, and the texts the markers stand for: ``encode_rendered`` of the two is
+        ``prompt_ids``.  (Two steps so that a caller can encode a long one elsewhere.)"""
         messages, literals = self._literal_contents(messages)
-        return self._encode_literals(self.render_prompt(messages, tools=tools), literals)
+        return self.render_prompt(messages, tools=tools), literals
 
     def _literal_contents(self, messages: Sequence[Message]) -> tuple[list[Message], list[str]]:
         """``messages`` with every special token's text in a content replaced by a marker,
@@ -237,8 +246,9 @@ class ChatTokenizer:
                 out[i] = msgspec.structs.replace(m, content=self._content_re.sub(mark, m.content))
         return out, literals
 
-    def _encode_literals(self, text: str, literals: list[str]) -> list[int]:
-        """``encode(text)`` with each marker's literal encoded as plain text."""
+    def encode_rendered(self, text: str, literals: list[str]) -> list[int]:
+        """``encode(text)`` with each marker's literal (see ``prompt_text``) encoded as plain
+        text."""
         if not literals:
             return self.encode(text)
         ids: list[int] = []
@@ -252,9 +262,8 @@ class ChatTokenizer:
     def _text_ids(self, literal: str) -> list[int]:
         """Ids of an added token's text as plain text: its first character, then the rest
         (which matches no added token; else one character at a time)."""
-        added = set(self._added_ids.values())
         ids = self._encode_raw(literal[:1]) + self._encode_raw(literal[1:])
-        if added.intersection(ids):
+        if self._added_id_set.intersection(ids):
             ids = [i for ch in literal for i in self._encode_raw(ch)]
         return ids
 
@@ -283,7 +292,7 @@ class ChatTokenizer:
         """
         new_messages, literals = self._literal_contents(new_messages)
         text = self._eot_tail + self._render_suffix(new_messages)
-        ids = self._encode_literals(text, literals)
+        ids = self.encode_rendered(text, literals)
         return ids if ended_with_eot else [self.eot_id, *ids]
 
     def _render_suffix(self, new_messages: Sequence[Message]) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import logging
 import math
@@ -510,15 +509,15 @@ class RolloutEngine:
             run.pending = cp.pending
 
     async def _prompt_ids(self, messages: list[Message]) -> list[int]:
-        # prompt_ids, not encode(render_prompt(...)): a special token's text in a task's
-        # content must be encoded as text
+        # prompt_text + encode_rendered (= prompt_ids), not encode(render_prompt(...)): a
+        # special token's text in a task's content must be encoded as text
         tok = self.tokenizer
-        if len(tok.render_prompt(messages, tools=self._tool_specs)) > _LONG_TEXT:
+        text, literals = tok.prompt_text(messages, tools=self._tool_specs)
+        if len(text) > _LONG_TEXT:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor,
-                functools.partial(tok.prompt_ids, messages, tools=self._tool_specs),
+                self._executor, tok.encode_rendered, text, literals
             )
-        return tok.prompt_ids(messages, tools=self._tool_specs)
+        return tok.encode_rendered(text, literals)
 
     async def _turns(self, run: EpisodeRun) -> tuple[Status, str]:
         """The turn loop, from ``run.next_turn``; returns (status, stop_reason)."""
