@@ -46,6 +46,7 @@ from agentroll.types import (
     Turn,
     new_id,
     now,
+    unicode_safe,
 )
 
 logger = logging.getLogger("agentroll.rollout")
@@ -409,9 +410,10 @@ class RolloutEngine:
                 if checkpoint is not None:
                     await self._restore_run(run, checkpoint)
                 else:
-                    run.messages.extend(
-                        await call_hook(env.reset, task, seed=state.seed, executor=self._executor)
+                    reset = await call_hook(
+                        env.reset, task, seed=state.seed, executor=self._executor
                     )
+                    run.messages.extend(_env_messages(reset, env, "reset"))
                     state.messages = run.messages
                     prompt = await self._prompt_ids(run.messages)
                     run.builder.add_context(prompt)
@@ -630,7 +632,7 @@ class RolloutEngine:
             turn.env_seconds = time.perf_counter() - t1
             if reply is None:
                 return "ok", "no_tool_call"
-            new = list(reply)
+            new = _env_messages(reply, env, "env_response")
         if env.is_done(state):
             return "ok", "env_done"
         if index == env.max_turns - 1:
@@ -730,6 +732,32 @@ class RolloutEngine:
             traj.rewards, traj.reward = _finite(rewards, float(sum(rewards.values())))
         else:
             traj.rewards, traj.reward = _finite({"reward": float(value)}, float(value))
+
+
+def _env_messages(value: Any, env: Environment, hook: str) -> list[Message]:
+    """What an environment's ``reset``/``env_response`` returned, as checked messages: a list
+    (or tuple) of ``Message`` or dicts of its fields, each field of its type; every lone
+    surrogate in a content becomes ``"?"`` (as in tool output).  Anything else raises
+    ``TypeError`` naming the hook and the item (the episode fails with it; before, it failed
+    later with an AttributeError from the chat template, or -- a role that is not a string --
+    reached the trainer, whose decoder then refused the whole lease)."""
+    where = f"{type(env).__name__}.{hook}()"
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"{where} returned a {type(value).__name__}; return a list of Message")
+    try:
+        messages = msgspec.convert(msgspec.to_builtins(value), list[Message])
+    except (TypeError, msgspec.ValidationError) as exc:
+        raise TypeError(f"{where} returned a malformed message: {exc}") from None
+    for m in messages:
+        m.content = unicode_safe(m.content)
+    try:
+        msgspec.msgpack.encode(messages)
+    except UnicodeEncodeError:
+        raise TypeError(
+            f"{where} returned a message whose role, name, ids or tool-call arguments are not "
+            "valid Unicode (lone surrogates)"
+        ) from None
+    return messages
 
 
 def _finite(rewards: dict[str, float], total: float) -> tuple[dict[str, float], float]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from agentroll.errors import ConfigError, ToolError
-from agentroll.types import ExecResult, ToolCall, ToolResult, ToolSpec
+from agentroll.types import ExecResult, ToolCall, ToolResult, ToolSpec, unicode_safe
 
 if TYPE_CHECKING:
     from agentroll.env import EpisodeState
@@ -261,12 +261,7 @@ async def call_tool(
     if len(content) > limit:
         half = limit // 2
         content = f"{content[:half]}\n...[{len(content) - 2 * half} characters elided]...\n{content[-half:]}"
-    if not content.isascii():
-        try:
-            content.encode()
-        except UnicodeEncodeError:  # lone surrogates (os.listdir names, a "\udcff" escape):
-            # no tokenizer or trajectory takes them; each becomes "?"
-            content = content.encode("utf-8", "replace").decode()
+    content = unicode_safe(content)
     return ToolResult(
         call_id=call.id,
         name=call.name,

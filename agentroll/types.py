@@ -54,6 +54,18 @@ def _as_token_array(name: str, values: Any, dtype: np.dtype[Any]) -> np.ndarray:
     return arr
 
 
+def unicode_safe(text: str) -> str:
+    """``text`` with every lone surrogate (os.listdir names, a ``"\\udcff"`` escape) replaced by
+    ``"?"``: no tokenizer takes them, nor can a trajectory holding them be encoded."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode()
+    return text
+
+
 def new_id() -> str:
     """A random, globally unique identifier (32 hex digits)."""
     return uuid.uuid4().hex

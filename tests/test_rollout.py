@@ -373,6 +373,66 @@ async def test_tool_output_that_is_not_valid_unicode_reaches_the_model_replaced(
     assert decode_msgpack(encode_msgpack(t), Trajectory).messages == t.messages
 
 
+class _Returns(Environment):
+    """An environment whose reset (or env_response) returns ``value``."""
+
+    max_turns = 3
+
+    def __init__(self, value: Any, hook: str) -> None:
+        super().__init__()
+        self.value, self.hook = value, hook
+
+    async def reset(self, task: Task, *, seed: int) -> list[Message]:
+        if self.hook == "reset":
+            return self.value  # type: ignore[no-any-return]
+        return await super().reset(task, seed=seed)
+
+    async def env_response(self, messages: list[Message], state: EpisodeState) -> Any:
+        return self.value if self.hook == "env_response" else None
+
+
+@pytest.mark.parametrize("hook", ["reset", "env_response"])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("hello", "returned a str; return a list of Message"),
+        (Message(role="user", content="x"), "returned a Message; return a list"),
+        ([Message(role="user", content=None)], "Expected `str`, got `null` - at `$[0].content`"),
+        ([Message(role=3, content="x")], "Expected `str`, got `int` - at `$[0].role`"),
+        ([{"role": "user", "content": "x", "extra": object()}], "malformed message"),
+        ([Message(role="us\udce9r", content="x")], "not valid Unicode"),
+    ],
+)
+async def test_an_environment_returning_malformed_messages_fails_its_episode_saying_so(
+    tok: ChatTokenizer, hook: str, value: Any, expected: str
+) -> None:
+    """Before, these failed later with an AttributeError or TypeError from the template or
+    tokenizer, or (a role that is not a string) reached the trainer, whose decoder then
+    refused the whole lease."""
+    [t] = await run_all(
+        MockBackend(["ok", "ok"], tokenizer=tok), _Returns(value, hook), tok, tasks(1)
+    )
+    assert t.status == "failed"
+    assert t.error is not None and f"_Returns.{hook}()" in t.error and expected in t.error
+
+
+@pytest.mark.parametrize("hook", ["reset", "env_response"])
+async def test_an_environment_may_return_dicts_and_text_that_is_not_valid_unicode(
+    tok: ChatTokenizer, hook: str
+) -> None:
+    """Dicts of a Message's fields are messages; lone surrogates in a content become "?" as in
+    tool output (they used to fail the episode in the tokenizer)."""
+    value = [{"role": "user", "content": "caf\udce9 \ud800 ok"}]
+    [t] = await run_all(
+        MockBackend(["ok", "ok", "ok"], tokenizer=tok), _Returns(value, hook), tok, tasks(1)
+    )
+    assert t.status in ("ok", "truncated"), t.error
+    got = [m for m in t.messages if m.role == "user" and "ok" in m.content]
+    assert [m.content for m in got][-1] == "caf? ? ok"
+    assert all(isinstance(m, Message) for m in t.messages)
+    assert decode_msgpack(encode_msgpack(t), Trajectory).messages == t.messages
+
+
 async def test_special_token_text_in_a_task_or_a_tool_output_stays_text(
     tok: ChatTokenizer,
 ) -> None:
