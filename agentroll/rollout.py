@@ -162,7 +162,13 @@ class RolloutEngine:
             w.cancel()
         try:
             if tg is not None:
-                await tg.__aexit__(*exc)
+                try:
+                    await tg.__aexit__(*exc)
+                except BaseExceptionGroup as group:
+                    # the task group wraps the body's own error (a ConfigError out of run(),
+                    # the consumer's bug): when that is all, it propagates as itself
+                    if exc[1] is None or list(group.exceptions) != [exc[1]]:
+                        raise
         finally:
             if self._executor is not None:
                 # Threads of hung sync tools cannot be killed; they are abandoned, not joined.
@@ -263,6 +269,10 @@ class RolloutEngine:
         for cp in checkpoints:
             yield cp.task, cp.sample_index, cp.group_id, cp
         for task in tasks:
+            if not isinstance(task, Task) or not isinstance(task.id, str):
+                raise ConfigError(f"tasks must be Task objects with a str id, got {task!r:.80}")
+            if unicode_safe(task.id) != task.id:
+                raise ConfigError(f"task id {task.id!r:.80} is not valid Unicode (lone surrogates)")
             group = new_id()
             for i in range(self.config.samples_per_task):
                 yield task, i, group, None
@@ -444,8 +454,9 @@ class RolloutEngine:
                 await close_shielded(run.sandbox)
         if traj is None:
             traj = self._build(run)
-        if error is not None:
-            traj.status, traj.error, traj.stop_reason = "failed", error, run.stop_reason
+        if error is not None:  # an exception's text may quote a file name with lone surrogates
+            traj.status, traj.error = "failed", unicode_safe(error)
+            traj.stop_reason = run.stop_reason
         traj.finished_at = now()
         if not cfg.keep_messages:
             traj.messages = []
@@ -728,6 +739,12 @@ class RolloutEngine:
             return
         value = await call_hook(env.reward, traj, state, executor=self._executor)
         if isinstance(value, dict):
+            keys = [k for k in value if not isinstance(k, str) or unicode_safe(k) != k]
+            if keys:  # a trajectory holding them would be refused by the trainer's decoder
+                raise TypeError(
+                    f"{type(env).__name__}.reward() returned a dict with keys {keys[:3]!r}; "
+                    "name each reward with a string (of valid Unicode)"
+                )
             rewards = {k: float(v) for k, v in value.items()}
             traj.rewards, traj.reward = _finite(rewards, float(sum(rewards.values())))
         else:

@@ -433,6 +433,60 @@ async def test_an_environment_may_return_dicts_and_text_that_is_not_valid_unicod
     assert decode_msgpack(encode_msgpack(t), Trajectory).messages == t.messages
 
 
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [
+        ({1: 0.5}, "returned a dict with keys [1]"),  # reached the trainer: a poisoned lease
+        ({"caf\udce9": 0.5}, "returned a dict with keys"),
+        (ValueError("no such file caf\udce9.txt"), "ValueError: no such file caf?.txt"),
+    ],
+)
+async def test_a_reward_the_trainer_could_not_decode_fails_the_episode_encodable(
+    tok: ChatTokenizer, outcome: Any, expected: str
+) -> None:
+    """A reward dict keyed by something else than a string used to reach the trainer, whose
+    decoder refused the whole lease holding it (again at every re-lease); an error text with
+    lone surrogates made the failed trajectory impossible to encode."""
+
+    class Scored(Environment):
+        async def reward(self, trajectory: Trajectory, state: EpisodeState) -> Any:
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+    [t] = await run_all(MockBackend(["ok"], tokenizer=tok), Scored(), tok, tasks(1))
+    assert t.status == "failed" and t.error is not None and expected in t.error
+    assert decode_msgpack(encode_msgpack(t), Trajectory).error == t.error
+
+
+@pytest.mark.parametrize(
+    ("task", "expected"),
+    [
+        (Task(id=5, data={"prompt": "q"}), "tasks must be Task objects with a str id"),  # type: ignore[arg-type]
+        ({"id": "t0"}, "tasks must be Task objects"),
+        (Task(id="caf\udce9", data={"prompt": "q"}), "is not valid Unicode"),
+    ],
+)
+async def test_a_task_whose_id_no_trajectory_could_hold_stops_the_run_saying_so(
+    tok: ChatTokenizer, task: Any, expected: str
+) -> None:
+    """The ConfigError propagates out of ``async with RolloutEngine`` as itself, not wrapped in
+    the engine's task group's ExceptionGroup."""
+    with pytest.raises(ConfigError, match=expected):
+        await run_all(MockBackend(["ok"], tokenizer=tok), Calc(), tok, [task])
+
+
+async def test_an_error_in_the_consumers_loop_leaves_the_engine_as_itself(
+    tok: ChatTokenizer,
+) -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with RolloutEngine(
+            MockBackend(["ok"], tokenizer=tok), Calc(), CFG, tokenizer=tok
+        ) as e:
+            async for _ in e.run(tasks(2)):
+                raise KeyError("mine")
+
+
 async def test_special_token_text_in_a_task_or_a_tool_output_stays_text(
     tok: ChatTokenizer,
 ) -> None:
