@@ -15,6 +15,7 @@ from agentroll.stream.client import (
     LeaseRequest,
     StreamClient,
     StreamError,
+    Undecodable,
 )
 from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream, stream_app
 from agentroll.stream.spool import Spool, SpoolConfig, SpoolRecord, SpoolStats
@@ -32,6 +33,7 @@ __all__ = [
     "StreamConfig",
     "StreamError",
     "TrajectoryStream",
+    "Undecodable",
     "serve_stream",
     "stream_app",
 ]

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import gc
 import json
+import logging
 import os
 import sys
 import typing
@@ -38,6 +39,8 @@ from agentroll.types import (
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
+
+logger = logging.getLogger("agentroll.stream.client")
 
 WireFormat = Literal["msgpack", "json"]
 _ACKS_IN_FLIGHT = 4  # batches(auto_ack=True): acks sent and not yet answered, at most
@@ -84,6 +87,32 @@ class AckReply(msgspec.Struct, kw_only=True):
     acked: int
 
 
+class _RawLeaseBatch(msgspec.Struct, kw_only=True):
+    """A lease body whose trajectories are left undecoded (finding the ones that fail)."""
+
+    lease_id: str
+    expires_at: float
+    ttl: float
+    trainer_version: int
+    trajectories: list[msgspec.Raw]
+
+
+class _IdOnly(msgspec.Struct):
+    id: str
+
+
+class Undecodable(msgspec.Struct, frozen=True):
+    """A leased trajectory this client could not decode: its id, why, and its bytes as
+    they came (msgpack or JSON)."""
+
+    id: str
+    error: str
+    data: bytes
+
+
+OnUndecodable = Literal["raise", "skip"]
+
+
 # -- persisted acknowledgements ------------------------------------------------------------
 
 
@@ -122,6 +151,27 @@ def _append_seen(path: Path, ids: list[str]) -> None:
 
 _HEAD_BYTES = 16 << 10  # initial receive buffer of a response head
 _MAX_HEAD_BYTES = 1 << 20  # a response head (status line + headers) may not exceed this
+
+
+def _write_dead_letters(directory: Path, bad: list[Undecodable], suffix: str) -> None:
+    """Each of ``bad`` as ``<id><suffix>`` (its bytes as leased) and a line of
+    ``errors.jsonl``, fsync'd before they are acknowledged."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for b in bad:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in b.id)[:200] + suffix
+        with open(directory / name, "wb") as f:
+            f.write(b.data)
+            os.fsync(f.fileno())
+        lines.append(json.dumps({"id": b.id, "file": name, "error": b.error}) + "\n")
+    with open(directory / "errors.jsonl", "a") as f:
+        f.writelines(lines)
+        os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _bytearray_api() -> Callable[[int], bytearray] | None:
@@ -571,6 +621,40 @@ def decode_lease(
             gc.enable()
 
 
+def split_lease(
+    data: bytes | bytearray, *, json: bool = False, conversation: bool = True
+) -> tuple[LeaseBatch, list[Undecodable]]:
+    """A lease body that ``decode_lease`` refused, one trajectory at a time: the batch of
+    those that decode and the ones that do not (a field of another type, another version's
+    record).  Raises ``ValueError`` when the body is not a lease at all, or a trajectory's id
+    cannot be read (it could not be acknowledged)."""
+    mod: Any = msgspec.json if json else msgspec.msgpack
+    try:
+        raw = mod.decode(data, type=_RawLeaseBatch)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"not a lease body: {exc}") from exc
+    decode = decode_json if json else decode_msgpack
+    good: list[Trajectory] = []
+    bad: list[Undecodable] = []
+    for item in raw.trajectories:
+        blob = bytes(item)
+        try:
+            traj = decode(blob, Trajectory)
+        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+            try:
+                tid = mod.decode(blob, type=_IdOnly).id
+            except msgspec.MsgspecError:
+                raise ValueError(f"a leased trajectory without a readable id: {exc}") from exc
+            bad.append(Undecodable(tid, str(exc), blob))
+            continue
+        if not conversation:
+            traj.turns, traj.messages = [], []
+        good.append(traj)
+    fields = msgspec.structs.asdict(raw)
+    fields["trajectories"] = good
+    return LeaseBatch(**fields), bad
+
+
 async def _first_reply(leasing: collections.deque[asyncio.Future[_Reply]]) -> _Reply:
     """Take the oldest lease request in ``leasing`` that has finished, waiting for one to
     finish.  Requests go out on separate connections and may reach the worker out of order;
@@ -596,7 +680,11 @@ class StreamClient:
     into objects, which saves about a third of a consumer's CPU (``agentroll bench
     stream``).  Use as ``async with StreamClient(...)``.  Leased trajectories come from
     ``decode_lease``: with msgpack their arrays are writable views of their batch's receive
-    buffer (freed with the batch's last array)."""
+    buffer (freed with the batch's last array).  A leased trajectory that does not decode
+    (another version's record, a field of another type) raises ``StreamError`` naming it
+    (``on_undecodable="raise"``), or, with ``"skip"``, is written to ``dead_letter_dir``
+    (``<id>.msgpack`` or ``.json``, and a line in ``errors.jsonl``), acknowledged, counted
+    in ``undecodable`` and logged; the rest of its batch is delivered either way."""
 
     def __init__(
         self,
@@ -607,7 +695,13 @@ class StreamClient:
         seen_path: str | Path | None = None,
         timeout: float = 30.0,
         conversation: bool = True,
+        on_undecodable: OnUndecodable = "raise",
+        dead_letter_dir: str | Path | None = None,
     ) -> None:
+        if on_undecodable not in ("raise", "skip"):
+            raise ConfigError(
+                f"StreamClient on_undecodable={on_undecodable!r}; use 'raise' or 'skip'"
+            )
         if format not in ("msgpack", "json"):
             raise ConfigError(f"StreamClient format={format!r}; use 'msgpack' or 'json'")
         if timeout <= 0:
@@ -617,6 +711,9 @@ class StreamClient:
         self.format: WireFormat = format
         self.timeout = timeout
         self.conversation = conversation
+        self.on_undecodable: OnUndecodable = on_undecodable
+        self.dead_letter_dir = Path(dead_letter_dir) if dead_letter_dir is not None else None
+        self.undecodable = 0  # leased trajectories set aside (on_undecodable="skip")
         self.seen_path = Path(seen_path) if seen_path is not None else None
         self._mime = MSGPACK if format == "msgpack" else JSON
         headers = {"accept": self._mime, "content-type": self._mime}
@@ -718,19 +815,58 @@ class StreamClient:
         """Lease up to ``max`` trajectories (whole groups; at least one group), waiting up to
         ``wait`` seconds for one; None if none came.  No dedupe here (see ``batches``).
         Raises ``StreamError``."""
-        return self._decode_lease(await self._lease_reply(max, wait, trainer_version))
+        batch, bad = self._decode_lease(await self._lease_reply(max, wait, trainer_version))
+        if bad:
+            await self._set_aside(bad)
+        return batch
 
     async def _lease_reply(self, max: int, wait: float, trainer_version: int | None) -> _Reply:
         """The undecoded reply of one lease request: ``(status, content type, body)``."""
         request = LeaseRequest(max=max, wait=wait, trainer_version=trainer_version)
         return await self._request("POST", "/v1/lease", self._encode(request), extra_timeout=wait)
 
-    def _decode_lease(self, reply: _Reply) -> LeaseBatch | None:
+    def _decode_lease(self, reply: _Reply) -> tuple[LeaseBatch | None, list[Undecodable]]:
+        """The batch of a lease reply (None for 204) and the trajectories in it this client
+        cannot decode (see ``split_lease``: the slow path, taken only when the whole body
+        was refused)."""
         status, ctype, data = reply
         if status == 204:
-            return None
-        batch: LeaseBatch = self._decode(ctype, data, LeaseBatch)
-        return batch
+            return None, []
+        json = ctype.startswith(JSON)
+        try:
+            return decode_lease(data, json=json, conversation=self.conversation), []
+        except (msgspec.MsgspecError, ValueError, TypeError) as exc:
+            try:
+                return split_lease(data, json=json, conversation=self.conversation)
+            except ValueError:
+                raise StreamError(
+                    f"unexpected reply from {self.url} ({ctype or 'no content type'}): {exc}; "
+                    "is the URL an agentroll worker of the same version?"
+                ) from exc
+
+    async def _set_aside(self, bad: list[Undecodable]) -> None:
+        """Leased trajectories that do not decode: a ``StreamError`` (``on_undecodable=
+        "raise"``: they are offered again after the lease's ttl, and again refused), or
+        written to ``dead_letter_dir`` (durably), acknowledged and counted in
+        ``undecodable`` (``"skip"``)."""
+        first = bad[0]
+        what = f"{len(bad)} leased trajectories ({first.id!r}: {first.error})"
+        if self.on_undecodable == "raise":
+            raise StreamError(
+                f"the worker at {self.url} sent {what} that this client cannot decode; the "
+                "worker offers them again after the lease's ttl.  Fix what produced them (an "
+                "older or newer agentroll, a field of another type), or pass "
+                "StreamClient(on_undecodable='skip', dead_letter_dir=...) to keep their bytes "
+                "aside and acknowledge them"
+            )
+        if self.dead_letter_dir is not None:
+            suffix = ".msgpack" if self.format == "msgpack" else ".json"
+            await asyncio.to_thread(_write_dead_letters, self.dead_letter_dir, bad, suffix)
+        logger.warning(
+            "set aside %s%s", what, f" in {self.dead_letter_dir}" if self.dead_letter_dir else ""
+        )
+        await self.ack([b.id for b in bad])
+        self.undecodable += len(bad)
 
     async def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge trajectories by id: they leave the worker for good.  Returns how many
@@ -822,7 +958,9 @@ class StreamClient:
                             asyncio.ensure_future(self._lease_reply(max, wait, trainer_version))
                         )
                     await asyncio.sleep(0)  # let them send their requests first
-                batch = self._decode_lease(reply)
+                batch, bad = self._decode_lease(reply)
+                if bad:
+                    await self._set_aside(bad)
                 if batch is None:
                     continue
                 fresh = await self._fresh(batch)

@@ -32,7 +32,7 @@ from agentroll.stream import (
     serve_stream,
 )
 from agentroll.stream.client import _Reply
-from agentroll.types import Trajectory
+from agentroll.types import Message, Trajectory
 from agentroll.weights.update import TensorUpdate, WeightUpdate
 
 
@@ -125,6 +125,68 @@ async def test_a_client_without_conversation_gets_token_data_only(tmp_path: Path
         stripped = [msgspec.structs.replace(t, turns=[], messages=[]) for t in sent]
         assert all(same(a, b) for a, b in zip(got, stripped, strict=True))
         assert [t.reward for t in got] == [t.reward for t in sent]
+
+
+def undecodable(i: int, field: str = "role") -> Trajectory:
+    """A trajectory the worker takes and no client decodes: a message whose role is an int
+    (what an older rollout let through from an environment's reply), or an int task id."""
+    t = traj(i)
+    if field == "role":
+        t.messages = [Message(role=3, content="x")]  # type: ignore[arg-type]
+    else:
+        t.task_id = 5  # type: ignore[assignment]
+    return t
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_an_undecodable_trajectory_is_named_and_the_rest_of_its_lease_kept(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Before, one such trajectory made every lease holding it fail as "unexpected reply ...
+    is the URL an agentroll worker?", and it came back after every ttl: the trainer was
+    stuck.  By default the error names it and says what to do; with ``skip`` its bytes are
+    kept aside, it is acknowledged, and its batch's other trajectories are delivered."""
+    sent = [traj(0), undecodable(1), traj(2)]
+    clock = FakeClock()
+    async with worker(tmp_path / "spool", clock=clock) as (stream, url):
+        for t in sent:
+            await stream.publish([t])
+        async with StreamClient(url, format=fmt) as client:  # type: ignore[arg-type]
+            with pytest.raises(StreamError, match=r"'t-00000001': .*on_undecodable='skip'"):
+                await client.lease(max=10)
+        dead = tmp_path / "dead"
+        skip = StreamClient(url, format=fmt, on_undecodable="skip", dead_letter_dir=dead)  # type: ignore[arg-type]
+        async with skip as client:
+            clock.now += 11  # the refused lease expires: offered again
+            batch = await client.lease(max=10)
+            assert batch is not None
+            assert [t.id for t in batch.trajectories] == ["t-00000000", "t-00000002"]
+            assert all(same(a, b) for a, b in zip(batch.trajectories, sent[::2], strict=True))
+            assert client.undecodable == 1
+            assert await client.ack([t.id for t in batch.trajectories]) == 2
+        assert len(stream.spool) == 0  # the undecodable one was acknowledged too
+        # the same through batches(), with a conversation-less consumer (which steps over
+        # the messages: a bad role would not concern it)
+        await stream.publish([undecodable(3, "task_id")])
+        await stream.publish([traj(4)])
+        skip = StreamClient(url, format=fmt, on_undecodable="skip", conversation=False)  # type: ignore[arg-type]
+        async with skip as client, contextlib.aclosing(client.batches(max=10, wait=1.0)) as it:
+            got = await anext(it)
+            assert [t.id for t in got] == ["t-00000004"] and not got[0].messages
+            assert client.undecodable == 1
+            await client.ack(["t-00000004"])
+        assert len(stream.spool) == 0
+    [line] = (dead / "errors.jsonl").read_text().splitlines()
+    record = msgspec.json.decode(line)
+    assert record["id"] == "t-00000001" and "role" in record["error"]
+    kept = (dead / record["file"]).read_bytes()
+    raw = (msgspec.msgpack if fmt == "msgpack" else msgspec.json).decode(kept)
+    assert raw["id"] == "t-00000001" and raw["messages"] == [{"role": 3, "content": "x"}]
+
+
+def test_the_client_refuses_an_unknown_undecodable_policy() -> None:
+    with pytest.raises(ConfigError, match="on_undecodable='drop'; use 'raise' or 'skip'"):
+        StreamClient("http://127.0.0.1:1", on_undecodable="drop")  # type: ignore[arg-type]
 
 
 async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> None:
