@@ -334,6 +334,59 @@ def test_load_errors_name_the_file_field_or_tensor(tiny: Path, tmp_path: Path) -
         ModelRunner(tmp_path, num_blocks=4)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("hidden_size", "64", "'hidden_size' must be an integer, got '64'"),
+        ("num_attention_heads", 2.5, "'num_attention_heads' must be an integer"),  # was truncated
+        ("num_attention_heads", 0, "'num_attention_heads' must be >= 1"),  # ZeroDivisionError
+        ("rope_theta", "x", "'rope_theta' must be a number"),  # ValueError
+        ("rms_norm_eps", -1, "'rms_norm_eps' must be > 0"),  # was loaded
+        ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be > 0"),  # NaN logits
+        ("num_key_value_heads", True, "'num_key_value_heads' must be an integer"),
+    ],
+)
+def test_a_config_field_of_the_wrong_type_or_range_is_named(
+    tiny: Path, tmp_path: Path, field: str, value: Any, match: str
+) -> None:
+    raw = json.loads((tiny / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(ConfigError, match=match):
+        read_config(tmp_path)
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("[1, 2]")  # AttributeError before
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
+        read_config(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["empty", "short", "half", "header"])
+def test_a_damaged_safetensors_file_is_named(tiny: Path, tmp_path: Path, damage: str) -> None:
+    """safetensors' own SafetensorError ("header too small") named neither file nor remedy."""
+    for f in tiny.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = (tiny / "model.safetensors").read_bytes()
+    cut = {"empty": b"", "short": data[:7], "half": data[: len(data) // 2]}
+    damaged = cut.get(damage, data[:8] + b"{not json" + data[17:])
+    (tmp_path / "model.safetensors").write_bytes(damaged)
+    with pytest.raises(ConfigError, match=r"model\.safetensors is not a readable safetensors"):
+        ModelRunner(tmp_path, num_blocks=4)
+
+
+def test_a_vocab_size_the_weights_do_not_have_is_refused_before_allocating(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The shapes are checked against the files' headers first: this config used to ask the
+    allocator for 512 TB (a RuntimeError) before any tensor was compared."""
+    for f in tiny.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((tiny / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "vocab_size": 10**12}))
+    with pytest.raises(ConfigError, match=r"embed_tokens\.weight.*has shape"):
+        ModelRunner(tmp_path, num_blocks=4)
+
+
 def test_bad_items_are_refused_before_any_write(tiny: Path) -> None:
     runner = ModelRunner(tiny, num_blocks=4, block_size=4)
     cases = [

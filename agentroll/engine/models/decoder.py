@@ -10,8 +10,10 @@ naming the file, field or tensor; pickled checkpoints are never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,6 +71,8 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> DecoderConfig:
         """Normalise a Hugging Face config dict; raises ConfigError naming the offending field."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
         known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
         if not known and not archs and raw.get("model_type") in ARCHITECTURES.values():
@@ -97,24 +101,43 @@ class DecoderConfig:
                 f"{source}: RoPE scaling {rope_type!r} (field 'rope_scaling') is not supported; "
                 "only default RoPE with rope_theta"
             )
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        head_dim = raw.get("head_dim") or (hidden // heads if hidden % heads == 0 else 0)
+        def integer(name: str, default: int | None = None) -> int:
+            value = raw.get(name)
+            if value is None and default is not None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{source}: field {name!r} must be an integer, got {value!r}")
+            return value
+
+        def positive(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{source}: field {name!r} must be a number, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{source}: field {name!r} must be > 0, got {value!r}")
+            return float(value)
+
+        heads = integer("num_attention_heads")
+        hidden = integer("hidden_size")
+        if heads < 1:
+            raise ConfigError(f"{source}: field 'num_attention_heads' must be >= 1, got {heads}")
+        head_dim = integer("head_dim", 0) or (hidden // heads if hidden % heads == 0 else 0)
         if not head_dim:
             raise ConfigError(f"{source}: field 'head_dim' is missing and hidden_size % heads != 0")
         bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=integer("intermediate_size"),
+            num_layers=integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position=int(raw.get("max_position_embeddings", 32768)),
+            num_kv_heads=integer("num_key_value_heads", heads),
+            head_dim=head_dim,
+            rope_theta=positive(
+                "rope_theta", rope.get("rope_theta") or raw.get("rope_theta") or 10000.0
+            ),
+            rms_norm_eps=positive("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            max_position=integer("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if arch == "qwen2" else bias,  # Qwen2 hard-codes q/k/v bias
             o_bias=False if arch == "qwen2" else bias,
@@ -303,6 +326,21 @@ class DecoderModel(nn.Module):
         return ops.linear(h, self.lm_head_weight, None)
 
 
+@contextlib.contextmanager
+def _safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``; a damaged file (truncated, a bad header) is a ConfigError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(
+            f"checkpoint {file.parent}: {file.name} is not a readable safetensors file ({exc}); "
+            "save or copy it again (the tiny model: `agentroll model create-tiny DIR`)"
+        ) from exc
+
+
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     """Map tensor name -> safetensors file, from ``model.safetensors`` or the shard index."""
     root = Path(model_dir)
@@ -324,21 +362,17 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
             f"checkpoint {root}: file 'model.safetensors' (or 'model.safetensors.index.json') "
             "is missing; only safetensors checkpoints are loaded"
         )
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
+    with _safetensors(single) as f:
         names: list[str] = f.keys()
     return dict.fromkeys(names, single)
 
 
 def read_tensors(model_dir: str | Path, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """Every tensor of a safetensors checkpoint directory (cast to ``dtype`` when given)."""
-    from safetensors import safe_open
-
     out: dict[str, Tensor] = {}
     files = checkpoint_files(model_dir)
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
+        with _safetensors(file) as f:
             for name in [n for n, where in files.items() if where == file]:
                 if not name.endswith(_IGNORED_SUFFIXES):
                     tensor = f.get_tensor(name)
@@ -353,8 +387,6 @@ def load_model(
 
     Raises ConfigError naming the missing file, field or tensor, or the tensor whose shape is wrong.
     """
-    from safetensors import safe_open
-
     cfg = read_config(model_dir)
     files = checkpoint_files(model_dir)
     shapes = weight_shapes(cfg)
@@ -377,22 +409,27 @@ def load_model(
             f"checkpoint {model_dir}: tensors not described by config.json "
             f"({cfg.architecture}): {', '.join(sorted(extra)[:5])}"
         )
+    by_file: dict[Path, list[str]] = {}
+    for name in shapes:
+        by_file.setdefault(files[name], []).append(name)
+    # shapes from the files' headers first: a config.json that does not match them is an
+    # error before its model is allocated (a wrong vocab_size could ask for terabytes)
+    for file, names in sorted(by_file.items()):
+        with _safetensors(file) as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise ConfigError(
+                        f"checkpoint {model_dir}: tensor {name!r} in {file.name} has shape "
+                        f"{shape}, config.json implies {shapes[name]}"
+                    )
     with torch.device("meta"):
         model = DecoderModel(cfg).to(dtype)
     model.to_empty(device=device)
     params = model.named_weights()
-    by_file: dict[Path, list[str]] = {}
-    for name in shapes:
-        by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for file, names in sorted(by_file.items()):
-            with safe_open(str(file), framework="pt") as f:
+            with _safetensors(file) as f:
                 for name in names:
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != shapes[name]:
-                        raise ConfigError(
-                            f"checkpoint {model_dir}: tensor {name!r} in {file.name} has shape "
-                            f"{tuple(tensor.shape)}, config.json implies {shapes[name]}"
-                        )
-                    params[name].copy_(tensor.to(dtype))
+                    params[name].copy_(f.get_tensor(name).to(dtype))
     return model.eval()
