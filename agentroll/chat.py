@@ -34,6 +34,18 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``ConfigError`` naming it when it is unreadable, not
+    JSON, or not an object."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def compile_template(source: str) -> jinja2.Template:
     """Compile a Hugging Face chat template in a sandboxed jinja environment."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -41,7 +53,12 @@ def compile_template(source: str) -> jinja2.Template:
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
+    if not isinstance(source, str):
+        raise ConfigError(f"a chat template must be a string, got {type(source).__name__}")
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"the chat template does not compile: {exc} (line {exc.lineno})") from exc
 
 
 _CACHE_MAX_PIECE = 4096  # encode() caches pieces up to this many characters
@@ -110,27 +127,50 @@ class ChatTokenizer:
                 f"{p} has no tokenizer.json/tokenizer_config.json; make one with "
                 "`agentroll model create-tiny DIR` or point at a Hugging Face checkpoint"
             )
-        cfg = json.loads(cfg_file.read_text())
+        cfg = read_json_object(cfg_file)
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next(
+                (
+                    t.get("template")
+                    for t in template
+                    if isinstance(t, dict) and t.get("name") == "default"
+                ),
+                None,
+            )
         if not template:
             raise ConfigError(f"{cfg_file} has no chat_template")
+        if not isinstance(template, str):
+            raise ConfigError(f"{cfg_file}: chat_template must be a string")
 
         def token(name: str) -> str | None:
             val = cfg.get(name)
             return val.get("content") if isinstance(val, dict) else val
 
-        eot = token("eos_token")
+        names = {n: token(n) for n in ("eos_token", "bos_token", "pad_token")}
+        bad = [n for n, v in names.items() if v is not None and not isinstance(v, str)]
+        if bad:
+            raise ConfigError(f"{cfg_file}: {bad[0]} must be a string (or {{content: ...}})")
+        eot = names["eos_token"]
         if eot is None:
             raise ConfigError(f"{cfg_file} has no eos_token")
-        return cls(
-            Tokenizer.from_file(str(tok_file)),
-            template,
-            eot_token=eot,
-            bos_token=token("bos_token"),
-            pad_token=token("pad_token"),
-        )
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ConfigError(
+                f"{tok_file} is not a readable tokenizer ({exc}); copy it again from the "
+                "checkpoint (the tiny model: `agentroll model create-tiny DIR`)"
+            ) from exc
+        try:
+            return cls(
+                tokenizer,
+                template,
+                eot_token=eot,
+                bos_token=names["bos_token"],
+                pad_token=names["pad_token"],
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{cfg_file}: {exc}") from exc
 
     # -- tokens ----------------------------------------------------------------------------
 

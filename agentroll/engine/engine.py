@@ -23,8 +23,9 @@ import torch
 
 from agentroll._fs import atomic_dir
 from agentroll.backends.base import SamplingParams
-from agentroll.chat import ChatTokenizer
+from agentroll.chat import ChatTokenizer, read_json_object
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
+from agentroll.engine.models import read_config
 from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -204,9 +205,10 @@ class LLMEngine:
             raise ConfigError(
                 f"{model_dir} has no config.json; create one with `agentroll model create-tiny {model_dir}`"
             )
+        model_config = read_config(model_dir)  # checked before anything is built from it
         self.tokenizer = ChatTokenizer.from_pretrained(model_dir)
         dtype = _DTYPES[config.dtype]
-        self._set_threads(model_dir)
+        self._set_threads(model_config.hidden_size)
         probe = ModelRunner(
             model_dir,
             num_blocks=1,
@@ -256,10 +258,9 @@ class LLMEngine:
         self.num_steps = 0
         self._store: WeightStore | None = None
 
-    def _set_threads(self, model_dir: Path) -> None:
+    def _set_threads(self, hidden: int) -> None:
         threads = self.config.num_threads
         if threads is None and self.config.device == "cpu":
-            hidden = json.loads((model_dir / "config.json").read_text()).get("hidden_size", 0)
             threads = 1 if hidden <= 1024 else None
         if threads is not None:
             torch.set_num_threads(threads)
@@ -268,8 +269,16 @@ class LLMEngine:
         ids = {self.tokenizer.eot_id}
         gen = model_dir / "generation_config.json"
         if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+            eos = read_json_object(gen).get("eos_token_id")
+            eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+            vocab = self.runner.config.vocab_size
+            bad = [e for e in eos if isinstance(e, bool) or not isinstance(e, int)]
+            bad += [e for e in eos if e not in bad and not 0 <= e < vocab]
+            if bad:
+                raise ConfigError(
+                    f"{gen}: eos_token_id {bad[0]!r} is not a token id (0 <= id < {vocab})"
+                )
+            ids.update(eos)
         return frozenset(ids)
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:

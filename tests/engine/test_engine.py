@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,46 @@ def test_score_matches_sampling_logprobs(engine: LLMEngine) -> None:
 def test_missing_model_dir_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="create-tiny"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+def _damaged(tiny_model: Path, tmp_path: Path, name: str, text: str | None) -> Path:
+    """A copy of the tiny model with ``name`` replaced by ``text`` (or one field changed:
+    ``text`` = ``"key=json"``)."""
+    for f in tiny_model.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    if text is not None and "=" in text and not text.startswith(("{", "[")):
+        key, value = text.split("=", 1)
+        data = json.loads((tmp_path / name).read_text())
+        data[key] = json.loads(value)
+        text = json.dumps(data)
+    (tmp_path / name).write_text(text or "")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("config.json", "[1]", r"config\.json: expected a JSON object"),  # AttributeError
+        ("config.json", 'hidden_size="64"', "'hidden_size' must be an integer"),  # TypeError
+        ("config.json", "{nope", r"config\.json: cannot read JSON"),  # JSONDecodeError
+        ("tokenizer.json", "{nope", r"tokenizer\.json is not a readable tokenizer"),  # Exception
+        ("tokenizer.json", "", r"tokenizer\.json is not a readable tokenizer"),
+        ("tokenizer_config.json", "[]", r"tokenizer_config\.json: expected a JSON object"),
+        ("tokenizer_config.json", 'chat_template="{% if %}"', "chat template does not compile"),
+        ("tokenizer_config.json", "chat_template=5", "chat_template must be a string"),
+        ("tokenizer_config.json", "eos_token=7", "eos_token must be a string"),
+        ("generation_config.json", "{nope", r"generation_config\.json: cannot read JSON"),
+        ("generation_config.json", 'eos_token_id=["a"]', "eos_token_id 'a' is not a token id"),
+        ("generation_config.json", "eos_token_id=-5", "eos_token_id -5 is not a token id"),  # kept
+        ("generation_config.json", "eos_token_id=1000000000", "is not a token id"),
+    ],
+)
+def test_a_damaged_model_directory_is_a_config_error_naming_the_file(
+    tiny_model: Path, tmp_path: Path, name: str, text: str, match: str
+) -> None:
+    model = _damaged(tiny_model, tmp_path, name, text)
+    with pytest.raises(ConfigError, match=match):
+        LLMEngine(EngineConfig(model=str(model)))
 
 
 @pytest.mark.parametrize("path", ["delta", "staged", "load_weights"])

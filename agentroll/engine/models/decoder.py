@@ -101,6 +101,7 @@ class DecoderConfig:
                 f"{source}: RoPE scaling {rope_type!r} (field 'rope_scaling') is not supported; "
                 "only default RoPE with rope_theta"
             )
+
         def integer(name: str, default: int | None = None) -> int:
             value = raw.get(name)
             if value is None and default is not None:
