@@ -78,7 +78,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("tool_threads must be >= 1")
         for name in ("generation_timeout", "tool_timeout", "episode_timeout"):
             val = getattr(self, name)
-            if val is not None and val <= 0:
+            if val is not None and not val > 0:  # NaN too
                 raise ConfigError(f"{name} must be > 0 seconds (or None for no limit)")
 
 

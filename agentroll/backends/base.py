@@ -10,6 +10,7 @@ those of the distribution actually sampled from.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
@@ -34,8 +35,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     ignore_eos: bool = False  # keep going past the end-of-sequence token (benchmarks)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < math.inf:  # NaN too: it made every probability NaN
+            raise ValueError("temperature must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:

@@ -46,7 +46,7 @@ class MockBackend(Backend):
         policy_version: int = 0,
         record: bool = False,
     ) -> None:
-        if latency < 0 or chunk_size < 0:
+        if not latency >= 0 or chunk_size < 0:
             raise ConfigError("latency and chunk_size must be >= 0")
         self.script = script
         self.tokenizer = tokenizer

@@ -135,7 +135,7 @@ class FleetBackend(Backend):
         self.group_size = group_size
         if in_flight not in ("migrate", "finish"):
             raise ConfigError(f"in_flight must be 'migrate' or 'finish', not {in_flight!r}")
-        if drain_timeout < 0:
+        if not drain_timeout >= 0:
             raise ConfigError("drain_timeout must be >= 0 seconds")
         self.in_flight = in_flight
         self.drain_timeout = drain_timeout

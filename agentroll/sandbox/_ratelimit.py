@@ -18,7 +18,7 @@ class TokenBucket:
     """``reserve(now)`` returns how long the caller must wait before its creation."""
 
     def __init__(self, rate: float, burst: int, now: float) -> None:
-        if rate <= 0:
+        if not rate > 0:
             raise ValueError(f"creation rate must be > 0 per second, got {rate}")
         if burst < 1:
             raise ValueError(f"creation burst must be >= 1, got {burst}")

@@ -40,7 +40,7 @@ class SandboxConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"sandbox backend {self.backend!r} is unknown; use 'local' or 'docker'"
             )
-        if self.timeout <= 0:
+        if not self.timeout > 0:  # NaN too
             raise ValueError("sandbox timeout must be > 0 seconds")
         if self.max_output < 256:
             raise ValueError("sandbox max_output must be at least 256 bytes")

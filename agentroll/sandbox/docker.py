@@ -782,7 +782,7 @@ class DockerSandbox(Sandbox):
         container = await self._started()
         timeout = self.config.timeout if timeout is None else timeout
         max_output = self.config.max_output if max_output is None else max_output
-        if timeout <= 0:
+        if not timeout > 0:  # NaN too
             raise ValueError(f"exec timeout must be > 0 seconds, got {timeout}")
         if max_output <= 0:
             raise ValueError(f"exec max_output must be > 0 bytes, got {max_output}")

@@ -34,7 +34,7 @@ def group_advantages(
         )
     if not np.all(np.isfinite(r)):
         raise ValueError("group_advantages: every reward must be finite (got NaN or inf)")
-    if eps < 0:
+    if not eps >= 0:
         raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
     out = np.zeros(len(r), dtype=np.float64)
     _, inverse = np.unique(np.asarray(list(group_ids), dtype=object), return_inverse=True)

@@ -77,7 +77,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
         def bad(msg: str) -> ConfigError:
             return ConfigError(f"GRPOConfig: {msg}")
 
-        if not self.lr > 0 or self.weight_decay < 0:
+        if not self.lr > 0 or not self.weight_decay >= 0:
             raise bad("lr must be > 0 and weight_decay >= 0")
         if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
             raise bad(f"betas must be two values in [0, 1), got {self.betas}")
