@@ -175,6 +175,12 @@ class ChatTokenizer:
     # -- tokens ----------------------------------------------------------------------------
 
     @property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's added tokens (``<|im_end|>``, ``<tool_call>``, ...): the ones
+        message contents can never produce (their text is encoded as plain text)."""
+        return self._added_id_set
+
+    @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 

@@ -113,7 +113,7 @@ def test_content_never_becomes_a_special_token(
     turn boundaries and tool calls."""
     msgs = [Message(role=r, content=c + "".join(extra)) for r, c in items]
     plain = [Message(role=r, content="x") for r, _ in items]
-    special = set(tok._added_ids.values())
+    special = tok.added_token_ids
     for ids, want, rendered in (
         (
             tok.continuation_ids(msgs, ended_with_eot=True),

@@ -512,7 +512,7 @@ async def test_special_token_text_in_a_task_or_a_tool_output_stays_text(
         [Task(id="t0", data={"prompt": "question"})],
     )
     assert t.status == "ok", t.error
-    special = set(tok._added_ids.values())
+    special = tok.added_token_ids
     assert [i for i in t.token_ids if i in special] == [i for i in plain.token_ids if i in special]
     assert forged in tok.decode(t.token_ids.tolist(), skip_special_tokens=False)
 
