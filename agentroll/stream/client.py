@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -159,7 +160,10 @@ def _write_dead_letters(directory: Path, bad: list[Undecodable], suffix: str) ->
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for b in bad:
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in b.id)[:200] + suffix
+        # the id made a file name, and a hash of it: two ids never share a file
+        safe = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_" for c in b.id)
+        digest = hashlib.blake2b(b.id.encode(), digest_size=6).hexdigest()
+        name = f"{safe[:150]}-{digest}{suffix}"
         with open(directory / name, "wb") as f:
             f.write(b.data)
             os.fsync(f.fileno())
@@ -562,11 +566,20 @@ CONVERSATION_FIELDS = ("turns", "messages")
 _SKIPPED: dict[bool, tuple[str, ...]] = {True: (), False: CONVERSATION_FIELDS}
 # msgpack: arrays are zero-copy views of the (writable) response buffer; JSON: base64 is
 # decoded straight into one bytearray per array.  Indexed by ``conversation``.
+_MSGPACK_WIRE = {c: _wire_types(memoryview, skip) for c, skip in _SKIPPED.items()}
+_JSON_WIRE = {c: _wire_types(bytearray, skip) for c, skip in _SKIPPED.items()}
 _MSGPACK_LEASE: dict[bool, msgspec.msgpack.Decoder[Any]] = {
-    c: msgspec.msgpack.Decoder(_wire_types(memoryview, skip)[1]) for c, skip in _SKIPPED.items()
+    c: msgspec.msgpack.Decoder(types[1]) for c, types in _MSGPACK_WIRE.items()
 }
 _JSON_LEASE: dict[bool, msgspec.json.Decoder[Any]] = {
-    c: msgspec.json.Decoder(_wire_types(bytearray, skip)[1]) for c, skip in _SKIPPED.items()
+    c: msgspec.json.Decoder(types[1]) for c, types in _JSON_WIRE.items()
+}
+# one trajectory of a lease body, decoded as decode_lease does (split_lease, the slow path)
+_MSGPACK_ITEM: dict[bool, msgspec.msgpack.Decoder[Any]] = {
+    c: msgspec.msgpack.Decoder(types[0]) for c, types in _MSGPACK_WIRE.items()
+}
+_JSON_ITEM: dict[bool, msgspec.json.Decoder[Any]] = {
+    c: msgspec.json.Decoder(types[0]) for c, types in _JSON_WIRE.items()
 }
 _DTYPES: dict[str, np.dtype[Any]] = {}
 _ARRAY_FIELDS = tuple(TOKEN_ARRAY_DTYPES)
@@ -579,6 +592,22 @@ def _dtype(name: str) -> np.dtype[Any]:
         if len(_DTYPES) < 64:
             _DTYPES[name] = dtype
     return dtype
+
+
+def _trajectories(wires: list[Any]) -> list[Trajectory]:
+    """The ``Trajectory`` of each decoded wire trajectory (its arrays: views of their data)."""
+    asdict, frombuffer, dtypes = msgspec.structs.asdict, np.frombuffer, _DTYPES
+    out = []
+    for w in wires:
+        fields = asdict(w)
+        for name in _ARRAY_FIELDS:
+            arr = fields[name]
+            if arr is None:
+                del fields[name]
+            else:
+                fields[name] = frombuffer(arr.data, dtypes.get(arr.dtype) or _dtype(arr.dtype))
+        out.append(Trajectory(**fields))
+    return out
 
 
 def decode_lease(
@@ -603,19 +632,8 @@ def decode_lease(
         else:
             buffer = data if isinstance(data, bytearray) else bytearray(data)
             wire = _MSGPACK_LEASE[conversation].decode(buffer)
-        asdict, frombuffer, dtypes = msgspec.structs.asdict, np.frombuffer, _DTYPES
-        trajectories = []
-        for w in wire.trajectories:
-            fields = asdict(w)
-            for name in _ARRAY_FIELDS:
-                arr = fields[name]
-                if arr is None:
-                    del fields[name]
-                else:
-                    fields[name] = frombuffer(arr.data, dtypes.get(arr.dtype) or _dtype(arr.dtype))
-            trajectories.append(Trajectory(**fields))
-        wire.trajectories = trajectories
-        return LeaseBatch(**asdict(wire))
+        wire.trajectories = _trajectories(wire.trajectories)
+        return LeaseBatch(**msgspec.structs.asdict(wire))
     finally:
         if gc_enabled:
             gc.enable()
@@ -633,23 +651,21 @@ def split_lease(
         raw = mod.decode(data, type=_RawLeaseBatch)
     except msgspec.MsgspecError as exc:
         raise ValueError(f"not a lease body: {exc}") from exc
-    decode = decode_json if json else decode_msgpack
+    item_decoder = (_JSON_ITEM if json else _MSGPACK_ITEM)[conversation]
     good: list[Trajectory] = []
     bad: list[Undecodable] = []
     for item in raw.trajectories:
         blob = bytes(item)
         try:
-            traj = decode(blob, Trajectory)
+            # as decode_lease decodes it (a conversation-less consumer steps over the turns
+            # and messages); msgpack arrays: views of a writable copy of the record
+            good += _trajectories([item_decoder.decode(blob if json else bytearray(blob))])
         except (msgspec.MsgspecError, ValueError, TypeError) as exc:
             try:
                 tid = mod.decode(blob, type=_IdOnly).id
             except msgspec.MsgspecError:
                 raise ValueError(f"a leased trajectory without a readable id: {exc}") from exc
             bad.append(Undecodable(tid, str(exc), blob))
-            continue
-        if not conversation:
-            traj.turns, traj.messages = [], []
-        good.append(traj)
     fields = msgspec.structs.asdict(raw)
     fields["trajectories"] = good
     return LeaseBatch(**fields), bad

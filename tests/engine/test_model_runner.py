@@ -344,6 +344,7 @@ def test_load_errors_name_the_file_field_or_tensor(tiny: Path, tmp_path: Path) -
         ("rms_norm_eps", -1, "'rms_norm_eps' must be > 0"),  # was loaded
         ("rms_norm_eps", float("nan"), "'rms_norm_eps' must be > 0"),  # NaN logits
         ("num_key_value_heads", True, "'num_key_value_heads' must be an integer"),
+        ("rope_scaling", "linear", "'rope_scaling' must be an object"),  # AttributeError
     ],
 )
 def test_a_config_field_of_the_wrong_type_or_range_is_named(

@@ -29,6 +29,7 @@ from agentroll.stream import (
     StreamConfig,
     StreamError,
     TrajectoryStream,
+    Undecodable,
     serve_stream,
 )
 from agentroll.stream.client import _Reply
@@ -182,6 +183,18 @@ async def test_an_undecodable_trajectory_is_named_and_the_rest_of_its_lease_kept
     kept = (dead / record["file"]).read_bytes()
     raw = (msgspec.msgpack if fmt == "msgpack" else msgspec.json).decode(kept)
     assert raw["id"] == "t-00000001" and raw["messages"] == [{"role": 3, "content": "x"}]
+
+
+def test_dead_letters_of_ids_that_look_alike_keep_apart(tmp_path: Path) -> None:
+    from agentroll.stream.client import _write_dead_letters
+
+    bad = [Undecodable(i, "e", i.encode()) for i in ("a/b", "a_b", "../x", "é")]
+    _write_dead_letters(tmp_path, bad, ".msgpack")
+    lines = [msgspec.json.decode(x) for x in (tmp_path / "errors.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == ["a/b", "a_b", "../x", "é"]
+    assert len({x["file"] for x in lines}) == 4
+    assert all((tmp_path / x["file"]).read_bytes() == x["id"].encode() for x in lines)
+    assert {p.parent for p in tmp_path.iterdir()} == {tmp_path}
 
 
 def test_the_client_refuses_an_unknown_undecodable_policy() -> None:

@@ -95,6 +95,8 @@ class DecoderConfig:
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: field 'use_sliding_window' = true is not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in (None, "default"):
             raise ConfigError(
