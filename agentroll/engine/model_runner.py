@@ -488,8 +488,17 @@ class ModelRunner:
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Host copies of K and V of these blocks: each [layers, n, block_size, kv_heads, hd]."""
         idx = self._block_index(block_ids)
-        k = torch.stack([c.index_select(0, idx) for c in self.k_cache]).cpu()
-        return k, torch.stack([c.index_select(0, idx) for c in self.v_cache]).cpu()
+        out = []
+        for cache in (self.k_cache, self.v_cache):
+            # gathered straight into the result (index_select then stack copied twice)
+            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.dtype)
+            for layer, c in enumerate(cache):
+                if c.device.type == "cpu":
+                    torch.index_select(c, 0, idx, out=t[layer])
+                else:  # one gather on the device, one copy to the host
+                    t[layer].copy_(c.index_select(0, idx))
+            out.append(t)
+        return out[0], out[1]
 
     def write_blocks(self, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Restore blocks from :meth:`read_blocks` output, bit-exactly (dtype must match)."""

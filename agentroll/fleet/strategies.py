@@ -125,23 +125,24 @@ async def _move_calls(
             if subset and fleet.replicas[n].supports_snapshots:
                 with_kv = kv and fleet.migrate_with_kv
                 snaps.update(await fleet.replicas[n].snapshot_many(subset, with_kv=with_kv))
-    moved = []
-    for call in calls:
+
+    async def move(call: Any) -> bool:
         rid = call.request.request_id
         policy = chosen.get(rid, "keep")
         replica = call.replica
         if policy != "restart" and rid not in snaps and replica and replica.supports_snapshots:
-            moved.append(False)  # finished there: its last chunk is on the way
-            continue
-        moved.append(
-            await fleet.migrate(
-                call,
-                set(group),
-                with_kv=None if policy == "keep" else False,
-                restart=policy == "restart",
-                snapshot=snaps.get(rid),
-            )
+            return False  # finished there: its last chunk is on the way
+        return await fleet.migrate(
+            call,
+            set(group),
+            with_kv=None if policy == "keep" else False,
+            restart=policy == "restart",
+            snapshot=snaps.get(rid),
         )
+
+    # all at once: each move waits for its pump to end (an event-loop round trip), which
+    # one by one added up to tens of ms of the group's pause under load
+    moved = await asyncio.gather(*(move(c) for c in calls))
     return [c for c, ok in zip(calls, moved, strict=True) if not ok]
 
 
@@ -164,8 +165,9 @@ async def _rebalance(fleet: FleetBackend, names: list[str], report: SyncReport) 
         ids = [c.request.request_id for c in calls]
         snaps = await fleet.replicas[hi].snapshot_many(ids, with_kv=fleet.migrate_with_kv)
         others = set(fleet.replicas) - {lo}
-        for call in calls:
-            await fleet.migrate(call, others, snapshot=snaps.get(call.request.request_id))
+        await asyncio.gather(
+            *(fleet.migrate(c, others, snapshot=snaps.get(c.request.request_id)) for c in calls)
+        )
     finally:
         await fleet.resume_replica(hi)
         report.pause_ms.append((time.perf_counter() - t0) * 1e3)

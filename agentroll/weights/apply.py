@@ -149,8 +149,11 @@ class WeightStore:
                 f"the staged update was built on version {staged.base_version}, but the "
                 f"replica is at {self.version}; stage it again"
             )
-        for name, host in staged.tensors.items():
-            self.tensors[name].copy_(host)
+        # one call for every tensor: a copy_ each gave the GIL up and waited to get it back
+        # once per tensor, which the other replicas' threads made last (a rolling sync pauses
+        # for this)
+        names = list(staged.tensors)
+        torch._foreach_copy_([self.tensors[n] for n in names], [staged.tensors[n] for n in names])
         self._checksums = staged.checksums
         self.version = staged.version
         return staged.digest
