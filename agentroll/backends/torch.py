@@ -135,7 +135,7 @@ class TorchBackend(Backend):
                 # Commands (new requests, restores with their KV, aborts) run on the engine
                 # thread with the step: a restore of many migrated requests must not block
                 # the event loop that every other replica and episode shares.
-                commands, self._commands = self._commands, []
+                commands = self._take_commands()
                 self._idle.clear()
                 self._step_t0 = t0 = time.perf_counter()
                 try:
@@ -162,6 +162,23 @@ class TorchBackend(Backend):
             self._failure = exc
             for stream in self._streams.values():
                 stream.put_nowait(BackendError(f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _take_commands(self) -> list[tuple[str, Any]]:
+        """The queued commands for the next hand-off, in order, up to the first restore that
+        makes their KV tokens exceed ``restore_tokens_per_call`` (at least one restore); the
+        rest stay queued, and ``_work`` then hands back after one step."""
+        commands = self._commands
+        budget = self.engine.config.restore_tokens_per_call
+        for i, (op, arg) in enumerate(commands):
+            if op != "restore":
+                continue
+            has_kv = arg.k is not None or getattr(arg, "kv_hold", None) is not None
+            budget -= arg.num_computed_tokens if has_kv else 0
+            if budget < 0 and i > 0:
+                self._commands = commands[i:]
+                return commands[:i]
+        self._commands = []
+        return commands
 
     def _work(self, commands: list[tuple[str, Any]]) -> tuple[list[tuple[str, str]], list[Any]]:
         """On the engine thread: apply ``commands``, then step while there is work, up to
@@ -200,7 +217,12 @@ class TorchBackend(Backend):
                     self.engine.abort(arg)
                 elif op == "restore":
                     self.engine.restore(arg)
+                elif op == "release":
+                    self.engine.release_blocks(arg)
             except ValueError as exc:
+                if op == "release":  # nobody waits on it: a bug to see in the log
+                    logger.error("releasing held KV blocks failed: %s", exc)
+                    continue
                 rid = arg.request_id if op in ("add", "restore") else str(arg)
                 errors.append((rid, str(exc)))
         return errors
@@ -429,14 +451,24 @@ class TorchBackend(Backend):
         )
 
     async def snapshot_many(
-        self, request_ids: list[str], *, with_kv: bool = True
+        self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
     ) -> dict[str, Any]:
-        """Snapshots of the unfinished ones among ``request_ids``, in one engine call."""
+        """Snapshots of the unfinished ones among ``request_ids``, in one engine call.  With
+        ``hold_kv`` their KV blocks are held here, not copied while paused: each snapshot's
+        ``kv_hold`` is read by the engine (in this process) that restores it, then handed
+        back to this one (at its next step boundary)."""
         self._require_paused("snapshot")
         engine = self.engine
+        loop = asyncio.get_running_loop()
 
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: engine.snapshot_many(request_ids, with_kv=with_kv)
+        def release(block_ids: list[int]) -> None:  # from any thread (a finalizer, too)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the engine too
+                loop.call_soon_threadsafe(self._submit, "release", block_ids)
+
+        hold = release if hold_kv else None
+        return await loop.run_in_executor(
+            self._executor,
+            lambda: engine.snapshot_many(request_ids, with_kv=with_kv, hold_kv=hold),
         )
 
     async def score(self, token_ids: list[int]) -> list[float]:

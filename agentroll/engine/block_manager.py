@@ -243,11 +243,26 @@ class BlockManager:
 
     # -- release -------------------------------------------------------------------------
 
-    def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; blocks nobody references become free, or evictable if
-        cached. The tail is released first so that it is evicted first (it is the part least
-        likely to be shared). Clears ``seq.block_table`` and ``seq.block_hashes``."""
-        for block_id in reversed(seq.block_table):
+    def hold(self, block_ids: list[int]) -> None:
+        """Take one more reference on blocks in use (a migrating request's KV, read by the
+        engine it moves to after this one went on): they are neither reused nor evicted
+        until ``release``."""
+        blocks = [self.blocks[b] for b in block_ids]
+        if any(b.ref_count < 1 for b in blocks):
+            raise ValueError("only blocks in use can be held")
+        for block in blocks:
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references ``hold`` took (as ``free`` drops a sequence's)."""
+        if any(self.blocks[b].ref_count < 1 for b in block_ids):
+            raise ValueError("release of blocks that are not held")
+        self._drop(block_ids)
+
+    def _drop(self, block_ids: list[int]) -> None:
+        """One reference less on each block, the tail first; blocks nobody references become
+        free, or evictable if cached."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -255,5 +270,11 @@ class BlockManager:
                     self._evictable[block_id] = None
                 else:
                     self._free.append(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody references become free, or evictable if
+        cached. The tail is released first so that it is evicted first (it is the part least
+        likely to be shared). Clears ``seq.block_table`` and ``seq.block_hashes``."""
+        self._drop(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -62,6 +63,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # consumer per run instead of per token.  A pause still stops after the step in flight.
     steps_per_call: int = 8
     max_call_s: float = 0.02
+    # KV tokens of requests restored with their KV (moved in from another replica) written
+    # per hand-off: a batch of moved calls is restored over a few steps, so a pause of this
+    # replica does not wait for all of it at once
+    restore_tokens_per_call: int = 4096
     # fp32 on the CPU: the C++ kernels of engine/kernels.py (built once per machine); False,
     # or no compiler, runs the same model on plain torch ops.
     cpu_kernels: bool = True
@@ -73,6 +78,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.kv_cache_mb < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ConfigError("kv_cache_mb, block_size and max_num_seqs must be >= 1")
+        if self.restore_tokens_per_call < 1:
+            raise ConfigError(f"restore_tokens_per_call={self.restore_tokens_per_call}; use >= 1")
         if self.steps_per_call < 1 or not self.max_call_s > 0:
             raise ConfigError(
                 f"steps_per_call={self.steps_per_call}, max_call_s={self.max_call_s}: "
@@ -105,6 +112,35 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
 
 
+class KVHold:
+    """The KV blocks of a snapshotted request, kept allocated in the engine that took the
+    snapshot (in this process) instead of copied out while it stood paused: the engine the
+    request moves to reads them when it restores it, then ``release`` hands them back.  A
+    hold never read is released when it is garbage collected.  ``release_fn`` is called
+    once, from whatever thread, with the block ids; it must be thread-safe."""
+
+    __slots__ = ("__weakref__", "_finalizer", "block_ids", "runner")
+
+    def __init__(
+        self, runner: ModelRunner, block_ids: list[int], release_fn: Callable[[list[int]], None]
+    ) -> None:
+        self.runner = runner
+        self.block_ids = block_ids
+        self._finalizer = weakref.finalize(self, release_fn, block_ids)
+
+    def read(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host copies of K and V of the first ``n_blocks`` blocks (as ``read_blocks``)."""
+        if not self._finalizer.alive:
+            raise ValueError("this KV hold was released")
+        return self.runner.read_blocks(self.block_ids[:n_blocks])
+
+    def release(self) -> None:
+        self._finalizer()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a KV hold cannot leave its process; snapshot without hold_kv")
+
+
 class RequestSnapshot(msgspec.Struct, kw_only=True):
     """Everything a request needs to continue elsewhere.  Tensors are host copies; ``save``
     writes the metadata as msgpack and the tensors as safetensors."""
@@ -122,6 +158,8 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
     model_fingerprint: str
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    #: instead of ``k``/``v``: the blocks held in the engine that took it (``hold_kv``)
+    kv_hold: KVHold | None = None
 
     @property
     def num_generated(self) -> int:
@@ -141,23 +179,42 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
         if self.k is not None and self.v is not None and computed > 0:
             n_blocks = -(-computed // self.block_size)
             k, v = self.k[:, :n_blocks], self.v[:, :n_blocks]
+        hold = self.kv_hold if computed > 0 else None  # restore reads only what it needs
         return msgspec.structs.replace(
             self,
             token_ids=self.token_ids[:n_tokens],
             logprobs=self.logprobs[:num_generated],
-            num_computed_tokens=computed if k is not None else 0,
+            num_computed_tokens=computed if k is not None or hold is not None else 0,
             k=k,
             v=v,
+            kv_hold=hold,
+        )
+
+    def materialized(self) -> RequestSnapshot:
+        """This snapshot with its held KV read into ``k``/``v`` (and the hold released)."""
+        hold = self.kv_hold
+        if hold is None:
+            return self
+        n_blocks = -(-self.num_computed_tokens // self.block_size)
+        k, v = hold.read(n_blocks) if n_blocks else (None, None)
+        hold.release()
+        return msgspec.structs.replace(
+            self,
+            k=k,
+            v=v,
+            kv_hold=None,
+            num_computed_tokens=self.num_computed_tokens if k is not None else 0,
         )
 
     def save(self, path: str | Path) -> Path:
         """Write ``path/meta.msgpack`` and ``path/kv.safetensors`` (atomically: temp + rename)."""
         from safetensors.torch import save_file
 
-        meta = msgspec.structs.replace(self, k=None, v=None)
+        snap = self.materialized()
+        meta = msgspec.structs.replace(snap, k=None, v=None)
         tensors = {}
-        if self.k is not None and self.v is not None:
-            tensors = {"k": self.k.contiguous(), "v": self.v.contiguous()}
+        if snap.k is not None and snap.v is not None:
+            tensors = {"k": snap.k.contiguous(), "v": snap.v.contiguous()}
         with atomic_dir(path) as tmp:
             (tmp / "meta.msgpack").write_bytes(msgspec.msgpack.encode(meta, enc_hook=_enc))
             save_file(tensors, str(tmp / "kv.safetensors"))
@@ -328,6 +385,10 @@ class LLMEngine:
         """Drop a request and free its blocks (no-op if unknown)."""
         self.requests.pop(request_id, None)
         self.scheduler.abort(request_id)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Hand back blocks a ``KVHold`` of ``snapshot_many(hold_kv=...)`` kept."""
+        self.scheduler.block_manager.release(block_ids)
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -519,11 +580,31 @@ class LLMEngine:
         return self.snapshot_many([request_id], with_kv=with_kv)[request_id]
 
     def snapshot_many(
-        self, request_ids: list[str], *, with_kv: bool = True
+        self,
+        request_ids: list[str],
+        *,
+        with_kv: bool = True,
+        hold_kv: Callable[[list[int]], None] | None = None,
     ) -> dict[str, RequestSnapshot]:
         """Snapshots of the live ones among ``request_ids``; their KV blocks are read in one
-        gather per layer (a migration moves many requests at once)."""
+        gather per layer (a migration moves many requests at once).  With ``hold_kv`` (a
+        thread-safe callback that hands held blocks back to ``release_blocks`` on this
+        engine's thread) the blocks are held instead of read: a ``KVHold`` each, which the
+        engine they move to in this process reads (see ``KVHold``)."""
         live = [rid for rid in request_ids if rid in self.requests]
+        if with_kv and hold_kv is not None:
+            out = {}
+            for rid in live:
+                seq = self.requests[rid].seq
+                n = seq.num_blocks_needed(self.config.block_size, seq.num_computed_tokens)
+                held = list(seq.block_table[:n]) if seq.num_computed_tokens else []
+                snap = self._snapshot_of(rid, None, None)
+                if held:
+                    self.scheduler.block_manager.hold(held)
+                    snap.kv_hold = KVHold(self.runner, held, hold_kv)
+                    snap.num_computed_tokens = seq.num_computed_tokens
+                out[rid] = snap
+            return out
         spans: list[int] = []
         blocks: list[int] = []
         for rid in live:
@@ -604,25 +685,39 @@ class LLMEngine:
             num_prompt_tokens=snap.num_prompt_tokens,
             logprobs=list(snap.logprobs),
         )
+        hold = snap.kv_hold
         usable = (
-            snap.k is not None
-            and snap.v is not None
+            (hold is not None or (snap.k is not None and snap.v is not None))
             and snap.num_computed_tokens > 0
             and snap.model_fingerprint == self.fingerprint
             and snap.kv_version <= self.policy_version
         )
+        if hold is not None and not usable:
+            hold.release()  # its KV is computed again here
         if usable:
-            assert snap.k is not None and snap.v is not None
             n_blocks = seq.num_blocks_needed(self.config.block_size, snap.num_computed_tokens)
-            if snap.k.shape[1] != n_blocks or snap.k.shape != snap.v.shape:
+            if hold is not None:
+                if len(hold.block_ids) < n_blocks:
+                    raise ValueError(
+                        f"snapshot of {snap.request_id!r} holds {len(hold.block_ids)} KV "
+                        f"blocks, expected {n_blocks}"
+                    )
+                kv = hold.read(n_blocks)  # read from the engine that held them
+            else:
+                assert snap.k is not None and snap.v is not None
+                kv = snap.k, snap.v
+            k, v = kv
+            if k.shape[1] != n_blocks or k.shape != v.shape:
                 raise ValueError(
-                    f"snapshot of {snap.request_id!r} has KV for {snap.k.shape[1]} blocks, expected {n_blocks}"
+                    f"snapshot of {snap.request_id!r} has KV for {k.shape[1]} blocks, expected {n_blocks}"
                 )
             if not self.scheduler.add_with_kv(seq, snap.num_computed_tokens, paused=paused):
                 raise ValueError(
                     "not enough free KV blocks to restore now; retry when requests finish"
                 )
-            self.runner.write_blocks(seq.block_table[:n_blocks], snap.k, snap.v)
+            self.runner.write_blocks(seq.block_table[:n_blocks], k, v)
+            if hold is not None:
+                hold.release()
         else:
             self.scheduler.add(seq)
             if paused and seq.status is not SequenceStatus.FINISHED:

@@ -141,6 +141,9 @@ class FleetBackend(Backend):
         self.drain_timeout = drain_timeout
         self.pin_versions = pin_versions
         self.migrate_with_kv = migrate_with_kv
+        # every replica in this process and able to: a moved call's KV is held where it was
+        # and read by the replica it moves to, not copied out while its replica stands paused
+        self.hold_kv = all(getattr(r, "can_hold_kv", False) for r in replicas)
         self.background_max_bytes = background_max_bytes
         self.stage_updates = stage_updates
         self.pin_timeout = pin_timeout
@@ -272,7 +275,10 @@ class FleetBackend(Backend):
             stream = replica.restore(snapshot)
         else:
             stream = replica.generate(call.request)
-        with_kv = snapshot is not None and getattr(snapshot, "k", None) is not None
+        with_kv = snapshot is not None and (
+            getattr(snapshot, "k", None) is not None
+            or getattr(snapshot, "kv_hold", None) is not None
+        )
         call.pump = asyncio.create_task(self._pump(call, replica, stream, with_kv))
 
     async def _pump(

@@ -14,6 +14,7 @@ forward passes; a replica that raised ``ReplicaDown`` is never used again.
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -187,13 +188,23 @@ class LocalReplica(Replica):
         return await self.backend.snapshot(request_id, with_kv=with_kv)  # type: ignore[attr-defined]
 
     async def snapshot_many(
-        self, request_ids: list[str], *, with_kv: bool = True
+        self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
     ) -> dict[str, Any]:
+        """As ``Replica.snapshot_many``; ``hold_kv`` (a backend that can, in-process moves
+        only): the KV stays held here and the replica that restores a snapshot reads it."""
         many = getattr(self.backend, "snapshot_many", None)
         if many is None:
             return await super().snapshot_many(request_ids, with_kv=with_kv)
         self._check()
+        if hold_kv and self.can_hold_kv:
+            return dict(await many(request_ids, with_kv=with_kv, hold_kv=True))
         return dict(await many(request_ids, with_kv=with_kv))
+
+    @property
+    def can_hold_kv(self) -> bool:
+        """Whether this replica's snapshots can hold their KV for an in-process move."""
+        many = getattr(self.backend, "snapshot_many", None)
+        return many is not None and "hold_kv" in inspect.signature(many).parameters
 
     async def abort(self, request_id: str) -> None:
         if self._dead is None and hasattr(self.backend, "abort"):

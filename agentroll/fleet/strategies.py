@@ -11,7 +11,8 @@ update ``active`` at the new version.
   generating (where memory allows; else it applies while paused); then replicas are updated
   ``group_size`` at a time: a group stops taking calls, its in-flight calls migrate at once
   to the other replicas with their KV (``in_flight="migrate"``, the default: the sync takes
-  a few pauses) or finish there first (``in_flight="finish"``: the sync lasts as long as
+  a few pauses; between replicas in one process the KV is held where it is and read by
+  the replica the call moves to, so the pause copies nothing) or finish there first (``in_flight="finish"``: the sync lasts as long as
   the longest call, up to ``drain_timeout``, after which the rest migrates), it installs
   the update and rejoins, so the others keep generating throughout.  With pinned episodes the
   last replicas of a version wait until no live episode is pinned to it.
@@ -124,7 +125,8 @@ async def _move_calls(
             subset = [i for i in ids if (chosen.get(i, "keep") == "keep") == kv]
             if subset and fleet.replicas[n].supports_snapshots:
                 with_kv = kv and fleet.migrate_with_kv
-                snaps.update(await fleet.replicas[n].snapshot_many(subset, with_kv=with_kv))
+                hold = {"hold_kv": True} if with_kv and fleet.hold_kv else {}
+                snaps.update(await fleet.replicas[n].snapshot_many(subset, with_kv=with_kv, **hold))
 
     async def move(call: Any) -> bool:
         rid = call.request.request_id
@@ -163,7 +165,9 @@ async def _rebalance(fleet: FleetBackend, names: list[str], report: SyncReport) 
     try:
         calls = fleet.calls_on(hi)[:move]
         ids = [c.request.request_id for c in calls]
-        snaps = await fleet.replicas[hi].snapshot_many(ids, with_kv=fleet.migrate_with_kv)
+        with_kv = fleet.migrate_with_kv
+        hold = {"hold_kv": True} if with_kv and fleet.hold_kv else {}
+        snaps = await fleet.replicas[hi].snapshot_many(ids, with_kv=with_kv, **hold)
         others = set(fleet.replicas) - {lo}
         await asyncio.gather(
             *(fleet.migrate(c, others, snapshot=snaps.get(c.request.request_id)) for c in calls)

@@ -3,6 +3,7 @@ learning-semantics checks of ``agentroll validate`` (each a test)."""
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,3 +227,27 @@ async def test_a_pause_stops_a_run_of_steps_after_the_step_in_flight(tiny_model:
         await backend.resume()
         total = len(first.token_ids) + sum([len(c.token_ids) async for c in gen])
         assert total == 512
+
+
+def test_restores_are_handed_over_a_few_at_a_time() -> None:
+    """Calls moved in with their KV are restored at most ``restore_tokens_per_call`` KV
+    tokens per hand-off (at least one each time), in order: a pause of this replica then
+    waits for one step's share, not for all of a group's moved calls at once."""
+    from types import SimpleNamespace
+
+    def restore(n: int) -> tuple[str, Any]:
+        return ("restore", SimpleNamespace(k=object(), num_computed_tokens=n))
+
+    queued = [("add", "a"), restore(300), restore(300), ("abort", "b"), restore(500), restore(10)]
+    fake = SimpleNamespace(
+        _commands=list(queued),
+        engine=SimpleNamespace(config=SimpleNamespace(restore_tokens_per_call=700)),
+    )
+    rounds = []
+    while fake._commands:
+        rounds.append(TorchBackend._take_commands(fake))  # type: ignore[arg-type]
+    assert rounds == [queued[:4], queued[4:]]
+    big, small = restore(5000), restore(1)
+    fake._commands = [big, small]  # one over the budget still goes, alone
+    assert TorchBackend._take_commands(fake) == [big]  # type: ignore[arg-type]
+    assert fake._commands == [small]

@@ -43,6 +43,27 @@ def test_allocate_and_free_count_references() -> None:
     check_accounting(bm, [])
 
 
+def test_held_blocks_outlive_their_sequence_until_released() -> None:
+    """A migrating request's blocks: held, the sequence freed (aborted here), the blocks are
+    neither reused nor evicted until the engine it moved to has read them."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq("a", list(range(10)))
+    admit(bm, a)
+    held = list(a.block_table)
+    bm.hold(held)
+    bm.free(a)
+    assert bm.num_used_blocks == 3 and bm.num_free_blocks == 5
+    b = make_seq("b", list(range(100, 124)))
+    assert not bm.can_allocate(b)  # 6 blocks needed, 5 free: the held ones are not
+    bm.release(held)
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
+    assert bm.can_allocate(b)
+    with pytest.raises(ValueError, match="not held"):
+        bm.release(held)
+    with pytest.raises(ValueError, match="in use"):
+        bm.hold(held)  # free blocks cannot be held
+
+
 def test_allocate_refuses_when_the_pool_is_short() -> None:
     bm = BlockManager(num_blocks=2, block_size=4)
     a = make_seq("a", list(range(9)))

@@ -1,4 +1,6 @@
+import gc
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,52 @@ def test_snapshot_to_disk_and_restore_continues_exactly(engine: LLMEngine, tmp_p
         tail += engine.step()
     got = part + tail
     assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in ref]
+
+
+def test_a_held_snapshot_continues_exactly_in_another_engine_and_is_released(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """``snapshot_many(hold_kv=...)`` keeps the KV blocks where they are (no copy while the
+    replica stands paused); the engine that restores the request reads them, and the blocks
+    go back to the first engine through the callback.  A hold nobody reads is released when
+    it is dropped; a held snapshot saved to disk holds its KV in the file."""
+    cfg = EngineConfig(model=str(tiny_model), num_blocks=128)
+    src, dst = LLMEngine(cfg), LLMEngine(cfg)
+    ref = run(dst, {"r": (prompt(dst, "move me"), P)})["r"]
+    part = run(src, {"r": (prompt(src, "move me"), P)}, until=9)["r"]
+    used = src.scheduler.block_manager.num_used_blocks
+    released: list[list[int]] = []
+    src.pause_all()
+    snap = src.snapshot_many(["r"], hold_kv=released.append)["r"]
+    assert snap.k is None and snap.kv_hold is not None and snap.num_computed_tokens > 0
+    src.abort("r")
+    assert src.scheduler.block_manager.num_used_blocks == used  # held, not freed
+    with pytest.raises(TypeError, match="cannot leave its process"):
+        pickle.dumps(snap)
+    dst.restore(snap.truncated(len(part)))
+    assert len(released) == 1  # read, then handed back
+    src.release_blocks(released[0])
+    assert src.scheduler.block_manager.num_used_blocks == 0
+    tail: list = []
+    while dst.has_work():
+        tail += dst.step()
+    assert [(o.token_id, o.logprob) for o in part + tail] == [(o.token_id, o.logprob) for o in ref]
+    # dropped unread: released all the same; saved: the file holds the KV
+    run(src, {"s": (prompt(src, "move me"), P)}, until=5)
+    src.pause_all()
+    dropped = src.snapshot_many(["s"], hold_kv=released.append)["s"]
+    saved = src.snapshot_many(["s"], hold_kv=released.append)["s"]
+    del dropped
+    gc.collect()
+    assert len(released) == 2
+    saved.save(tmp_path / "held")
+    assert len(released) == 3
+    loaded = RequestSnapshot.load(tmp_path / "held")
+    assert loaded.k is not None and loaded.kv_hold is None
+    for blocks in released[1:]:
+        src.release_blocks(blocks)
+    src.abort("s")
+    assert src.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_restart_policy_replays_the_turn(engine: LLMEngine) -> None:

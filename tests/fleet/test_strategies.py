@@ -16,6 +16,7 @@ class FakeFleet:
     """What ``_move_calls`` and ``_rebalance`` use of a ``FleetBackend``."""
 
     migrate_with_kv = True
+    hold_kv = False
 
     def __init__(self, calls: dict[str, int]) -> None:
         self.calls = {
