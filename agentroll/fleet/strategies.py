@@ -11,10 +11,11 @@ update ``active`` at the new version.
   generating (where memory allows; else it applies while paused); then replicas are updated
   ``group_size`` at a time: a group stops taking calls, its in-flight calls migrate at once
   to the other replicas with their KV (``in_flight="migrate"``, the default: the sync takes
-  a few pauses; between replicas in one process the KV is held where it is and read by
-  the replica the call moves to, so the pause copies nothing) or finish there first (``in_flight="finish"``: the sync lasts as long as
-  the longest call, up to ``drain_timeout``, after which the rest migrates), it installs
-  the update and rejoins, so the others keep generating throughout.  With pinned episodes the
+  a few pauses; between replicas in one process the KV is held where it is and read by the
+  replica the call moves to, so the pause copies nothing) or finish there first
+  (``in_flight="finish"``: the sync lasts as long as the longest call, up to
+  ``drain_timeout``, after which the rest migrates), it installs the update and rejoins,
+  so the others keep generating throughout.  With pinned episodes the
   last replicas of a version wait until no live episode is pinned to it.
 - ``drain``: no new calls; every in-flight call finishes; then apply everywhere.
 - ``background``: each replica verifies the update into a second copy of the touched
