@@ -153,7 +153,10 @@ class WeightStore:
         # once per tensor, which the other replicas' threads made last (a rolling sync pauses
         # for this)
         names = list(staged.tensors)
-        torch._foreach_copy_([self.tensors[n] for n in names], [staged.tensors[n] for n in names])
+        if names:  # an update that changed nothing stages no tensor (and _foreach refuses [])
+            torch._foreach_copy_(
+                [self.tensors[n] for n in names], [staged.tensors[n] for n in names]
+            )
         self._checksums = staged.checksums
         self.version = staged.version
         return staged.digest

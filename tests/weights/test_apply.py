@@ -168,3 +168,19 @@ async def test_http_transport_into_a_live_engine(
                 assert backend.policy_version == 2
             finally:
                 await sender.aclose()
+
+
+async def test_a_staged_update_that_changed_nothing_swaps_in(
+    tiny_model: Path, trainer: torch.nn.Module
+) -> None:
+    """An export right after the last one has no changed tensor: staged and swapped in, it
+    only moves the version on (the install's one-call copy refused an empty list)."""
+    exporter = WeightExporter(trainer, dtype=torch.float32)
+    async with TorchBackend(tiny_model) as backend:
+        store = backend.engine.weight_store()
+        before = store.digest()
+        update = exporter.export()
+        assert all(t.num_changed == 0 for t in update.tensors if t.encoding == "delta")
+        await backend.stage(update)
+        assert await backend.swap() == update.version == backend.policy_version
+        assert store.digest() == before == store.verify()
