@@ -82,14 +82,18 @@ def test_a_held_snapshot_continues_exactly_in_another_engine_and_is_released(
     assert src.scheduler.block_manager.num_used_blocks == used  # held, not freed
     with pytest.raises(TypeError, match="cannot leave its process"):
         pickle.dumps(snap)
-    dst.restore(snap.truncated(len(part)))
+    # the consumer got 3 tokens fewer than were sampled: it continues from what it has
+    # (the hold has more blocks than that needs; only the needed ones are read)
+    kept = len(part) - 3
+    dst.restore(snap.truncated(kept))
     assert len(released) == 1  # read, then handed back
     src.release_blocks(released[0])
     assert src.scheduler.block_manager.num_used_blocks == 0
     tail: list = []
     while dst.has_work():
         tail += dst.step()
-    assert [(o.token_id, o.logprob) for o in part + tail] == [(o.token_id, o.logprob) for o in ref]
+    got = part[:kept] + tail
+    assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in ref]
     # dropped unread: released all the same; saved: the file holds the KV
     run(src, {"s": (prompt(src, "move me"), P)}, until=5)
     src.pause_all()
