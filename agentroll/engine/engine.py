@@ -190,14 +190,16 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
             kv_hold=hold,
         )
 
-    def materialized(self) -> RequestSnapshot:
-        """This snapshot with its held KV read into ``k``/``v`` (and the hold released)."""
+    def materialized(self, *, release: bool = True) -> RequestSnapshot:
+        """This snapshot with its held KV read into ``k``/``v``; the hold is released unless
+        ``release=False`` (this snapshot may still be restored in this process)."""
         hold = self.kv_hold
         if hold is None:
             return self
         n_blocks = -(-self.num_computed_tokens // self.block_size)
         k, v = hold.read(n_blocks) if n_blocks else (None, None)
-        hold.release()
+        if release:
+            hold.release()
         return msgspec.structs.replace(
             self,
             k=k,
@@ -210,7 +212,7 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
         """Write ``path/meta.msgpack`` and ``path/kv.safetensors`` (atomically: temp + rename)."""
         from safetensors.torch import save_file
 
-        snap = self.materialized()
+        snap = self.materialized(release=False)  # saving does not use this snapshot up
         meta = msgspec.structs.replace(snap, k=None, v=None)
         tensors = {}
         if snap.k is not None and snap.v is not None:
