@@ -4,6 +4,9 @@ Invariants: one stepper task owns the engine; every engine call happens either i
 step (on the backend's single worker thread) or on the event loop while no step is in
 flight, so requests are never mutated concurrently; ``pause`` returns only after the step in
 flight has finished, i.e. at a token boundary; a cancelled ``generate`` aborts its request.
+One read crosses threads: another engine in this process, restoring a request moved from
+here, reads the KV blocks held for it (``snapshot_many(hold_kv=True)``), which nothing here
+writes or reuses until the ``release`` command it queues has run.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Invariants: every block is exactly one of used (``ref_count > 0``), free (no key
 (a prefix-cache key, ``ref_count == 0``, LRU order), so free + evictable + used == num_blocks.
 A block gets a key only once it is full *and* its KV is computed; the key chains (parent key,
 kv_version, token ids), so KV computed under other weights is never reused, and only sequences
-whose KV is all of one version register keys. Pure and synchronous: no torch, no I/O.
+whose KV is all of one version register keys. A reference is a sequence's block-table entry
+or a ``hold`` (a migrating request's KV, read by another engine after its sequence was
+freed here), dropped by ``free`` or ``release``. Pure and synchronous: no torch, no I/O.
 """
 
 from __future__ import annotations
