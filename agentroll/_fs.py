@@ -1,5 +1,5 @@
 """Small filesystem helpers shared by the on-disk records (episode checkpoints, request
-snapshots).
+snapshots, the spool, weight directories, model directories).
 
 Invariant: ``atomic_dir`` either leaves the complete new directory at ``path`` (replacing
 an older one) or leaves ``path`` as it was; its temporary directory never survives.
@@ -8,10 +8,14 @@ an older one) or leaves ``path`` as it was; its temporary directory never surviv
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from agentroll.errors import ConfigError
 
 
 @contextlib.contextmanager
@@ -29,3 +33,24 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory by its path (a directory: its entries become durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ``ConfigError`` naming it when it is unreadable, not
+    JSON, or not an object."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

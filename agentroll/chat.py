@@ -22,6 +22,7 @@ import jinja2.sandbox
 import msgspec
 from tokenizers import Tokenizer
 
+from agentroll._fs import read_json_object
 from agentroll.errors import ChatTemplateError, ConfigError
 from agentroll.types import Message, ToolCall, ToolSpec
 
@@ -32,18 +33,6 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; ``ConfigError`` naming it when it is unreadable, not
-    JSON, or not an object."""
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def compile_template(source: str) -> jinja2.Template:

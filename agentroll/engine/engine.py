@@ -22,9 +22,9 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from agentroll._fs import atomic_dir
+from agentroll._fs import atomic_dir, read_json_object
 from agentroll.backends.base import SamplingParams
-from agentroll.chat import ChatTokenizer, read_json_object
+from agentroll.chat import ChatTokenizer
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
 from agentroll.engine.models import read_config
 from agentroll.engine.sampler import sample

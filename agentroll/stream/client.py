@@ -27,6 +27,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from agentroll._fs import fsync_path
 from agentroll.errors import ConfigError, StreamError
 from agentroll.types import (
     TOKEN_ARRAY_DTYPES,
@@ -171,11 +172,7 @@ def _write_dead_letters(directory: Path, bad: list[Undecodable], suffix: str) ->
     with open(directory / "errors.jsonl", "a") as f:
         f.writelines(lines)
         os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(directory)
 
 
 def _bytearray_api() -> Callable[[int], bytearray] | None:

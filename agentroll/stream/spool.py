@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 import xxhash
 
+from agentroll._fs import fsync_path
 from agentroll.errors import ConfigError
 from agentroll.types import Trajectory, encode_msgpack
 
@@ -257,14 +258,6 @@ _FALLOC_FL_KEEP_SIZE = 1
 _fallocate = _load_fallocate()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Spool:
     """An open spool directory (created if missing); one process at a time (``ConfigError``
     if another process holds it).  Use as a context manager or call ``close``.
@@ -363,7 +356,7 @@ class Spool:
         # acks written by a killed process may sit in the page cache only: make them durable
         # before deleting the segments they cover
         os.fsync(self._ack_fd)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         self._stats.fsyncs += 1
         for seg in list(self._segments.values()):
             if seg.live == 0 and seg is not self._writing:
@@ -500,7 +493,7 @@ class Spool:
         else:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _preallocate(self._fd, self.config.segment_bytes)
-        _fsync_dir(self.path)  # the new file's name is durable before any record in it
+        fsync_path(self.path)  # the new file's name is durable before any record in it
         seg = self._active = self._segments[number] = _Segment(number, path, 0)
         self._stats.segments = len(self._segments)
         return seg
@@ -701,7 +694,7 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, ack_path)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         os.close(self._ack_fd)
         self._ack_fd = os.open(ack_path, os.O_WRONLY | os.O_APPEND)
         self._stats.fsyncs += 2

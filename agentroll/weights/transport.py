@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from agentroll._fs import fsync_path
 from agentroll.errors import WeightSyncError
 from agentroll.weights.update import Encoding, TensorUpdate, UpdateKind, WeightUpdate
 
@@ -311,12 +312,12 @@ def write_update(update: WeightUpdate, root: str | Path, *, file_bytes: int = 1 
                 for i in group
             }
             save_file(arrays, str(tmp / fname))
-            _fsync(tmp / fname)
+            fsync_path(tmp / fname)
             for i in group:
                 infos[i] = msgspec.structs.replace(infos[i], file=fname)
         manifest = msgspec.structs.replace(header, tensors=tuple(infos))
         (tmp / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
-        _fsync(tmp / MANIFEST)
+        fsync_path(tmp / MANIFEST)
         os.rename(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -325,7 +326,7 @@ def write_update(update: WeightUpdate, root: str | Path, *, file_bytes: int = 1 
         raise
     # durability is best effort here: some filesystems refuse fsync on a directory
     with contextlib.suppress(OSError):
-        _fsync(root)
+        fsync_path(root)
     return final
 
 
@@ -369,14 +370,6 @@ def available_versions(root: str | Path) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(int(m.group(1)) for n in names if (m := _VERSION_DIR.match(n)))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DirectoryTransport(WeightTransport):

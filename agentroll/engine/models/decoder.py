@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from agentroll._fs import read_json_object
 from agentroll.errors import ConfigError
 
 ARCHITECTURES = {
@@ -154,11 +155,7 @@ def read_config(model_dir: str | Path) -> DecoderConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"checkpoint {model_dir}: file 'config.json' is missing")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
-    return DecoderConfig.from_dict(raw, source=str(path))
+    return DecoderConfig.from_dict(read_json_object(path), source=str(path))
 
 
 def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
