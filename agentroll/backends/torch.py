@@ -175,8 +175,7 @@ class TorchBackend(Backend):
         for i, (op, arg) in enumerate(commands):
             if op != "restore":
                 continue
-            has_kv = arg.k is not None or getattr(arg, "kv_hold", None) is not None
-            budget -= arg.num_computed_tokens if has_kv else 0
+            budget -= arg.num_computed_tokens if arg.has_kv else 0
             if budget < 0 and i > 0:
                 self._commands = commands[i:]
                 return commands[:i]

@@ -165,6 +165,11 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def has_kv(self) -> bool:
+        """Whether it carries its KV (copied in ``k``/``v``, or held: ``kv_hold``)."""
+        return self.kv_hold is not None or (self.k is not None and self.v is not None)
+
     def truncated(self, num_generated: int) -> RequestSnapshot:
         """This snapshot as it was after ``num_generated`` sampled tokens (a consumer that
         received fewer tokens than the engine sampled continues from what it has; the
@@ -689,7 +694,7 @@ class LLMEngine:
         )
         hold = snap.kv_hold
         usable = (
-            (hold is not None or (snap.k is not None and snap.v is not None))
+            snap.has_kv
             and snap.num_computed_tokens > 0
             and snap.model_fingerprint == self.fingerprint
             and snap.kv_version <= self.policy_version

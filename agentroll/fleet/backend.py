@@ -275,10 +275,7 @@ class FleetBackend(Backend):
             stream = replica.restore(snapshot)
         else:
             stream = replica.generate(call.request)
-        with_kv = snapshot is not None and (
-            getattr(snapshot, "k", None) is not None
-            or getattr(snapshot, "kv_hold", None) is not None
-        )
+        with_kv = snapshot is not None and getattr(snapshot, "has_kv", False)
         call.pump = asyncio.create_task(self._pump(call, replica, stream, with_kv))
 
     async def _pump(

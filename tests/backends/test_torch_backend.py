@@ -236,7 +236,7 @@ def test_restores_are_handed_over_a_few_at_a_time() -> None:
     from types import SimpleNamespace
 
     def restore(n: int) -> tuple[str, Any]:
-        return ("restore", SimpleNamespace(k=object(), num_computed_tokens=n))
+        return ("restore", SimpleNamespace(has_kv=True, num_computed_tokens=n))
 
     queued = [("add", "a"), restore(300), restore(300), ("abort", "b"), restore(500), restore(10)]
     fake = SimpleNamespace(
