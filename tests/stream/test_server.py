@@ -454,7 +454,10 @@ async def test_a_publish_is_answered_only_after_an_fsync_that_covers_it(tmp_path
 
         await asyncio.gather(*(publisher(k) for k in range(16)))
         assert len(durable) == 240 and len(spool) == 240
-        assert fsyncs[0] <= 240 // 8  # shared
+        # shared: one fsync per publish would be 240; 16 publishers usually share ~15-25,
+        # and 31 were seen on a loaded 2-core machine (publishers resumed late by the event
+        # loop trickle in, so an fsync that starts at once covers fewer)
+        assert fsyncs[0] <= 240 // 4
 
 
 async def test_next_round_is_written_while_the_last_one_is_fsyncd(
