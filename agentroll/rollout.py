@@ -7,7 +7,9 @@ incrementally); ``loss_mask`` is 1 exactly on sampled tokens; a failing episode 
 are closed shielded from it; every worker task belongs to the engine's task group.
 ``pause`` / ``resume`` (agentroll.pause) are invisible to environment code: a turn waits at
 the gate, a generation waits in the backend, deadlines exclude paused time; ``checkpoint``
-writes every in-flight episode at a quiescent point so another process can finish it.
+writes every in-flight episode at a quiescent point so another process can finish it, and
+``take_undelivered`` hands back every episode that finished but that ``run`` had not yielded
+(its consumer was busy, or the episode waited for its group), so a stop loses none.
 """
 
 from __future__ import annotations
@@ -104,12 +106,11 @@ async def close_shielded(sandbox: Sandbox) -> None:
 class _Outcome:
     """A finished episode waiting for its group (group rewards need all samples)."""
 
-    __slots__ = ("env", "state", "trajectory")
+    __slots__ = ("env", "trajectory")
 
-    def __init__(self, trajectory: Trajectory, env: Environment, state: EpisodeState) -> None:
+    def __init__(self, trajectory: Trajectory, env: Environment) -> None:
         self.trajectory = trajectory
         self.env = env
-        self.state = state
 
 
 class RolloutEngine:
@@ -143,6 +144,9 @@ class RolloutEngine:
         self._tg: asyncio.TaskGroup | None = None
         self._workers: set[asyncio.Task[None]] = set()
         self._live: dict[str, EpisodeRun] = {}
+        # finished episodes run() has not yielded yet (in its queue, or waiting for the rest
+        # of their group): what a stop must hand back (take_undelivered), by trajectory id
+        self._undelivered: dict[str, Trajectory] = {}
         self.pauses = PauseController(backend, self._views)
         self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0}
 
@@ -261,6 +265,17 @@ class RolloutEngine:
             paths.append(await asyncio.to_thread(cp.save, out / run.episode_id))
         return paths
 
+    def take_undelivered(self) -> list[Trajectory]:
+        """The episodes that finished but that ``run`` has not yielded (its consumer was busy
+        or left: they waited in its queue, or for the rest of their group), oldest first;
+        they are forgotten here.  Call it once the loop over ``run`` is left (after
+        ``pause`` + ``checkpoint`` at a stop), so that none of them is yielded as well; hand
+        them to the next ``run(finished=...)``, which yields them (or scores them with
+        their group) without running them again."""
+        out = list(self._undelivered.values())
+        self._undelivered.clear()
+        return out
+
     # -- running many episodes ------------------------------------------------------------
 
     def _jobs(
@@ -283,25 +298,34 @@ class RolloutEngine:
         *,
         total: int | None = None,
         checkpoints: Iterable[EpisodeCheckpoint] = (),
+        finished: Iterable[Trajectory] = (),
         admit: Callable[[int], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Trajectory]:
         """Run every task ``samples_per_task`` times; yield trajectories as they finish
         (a whole group at once when the environment has group rewards).  ``checkpoints``
         (from ``checkpoint``, maybe in another process) are continued first; pass
-        ``tasks=[]`` to run only them.  ``admit(n)`` (admission control, e.g. a staleness
-        bound) is awaited before a new group of ``n`` samples starts; groups are admitted one
-        at a time, in order, and a checkpointed episode needs no admission.
+        ``tasks=[]`` to run only them.  ``finished``: trajectories a stop handed back
+        (``take_undelivered``): yielded first, or, with group rewards, they wait for the
+        rest of their group (its other samples among ``checkpoints``) and are scored with
+        it.  ``admit(n)`` (admission control, e.g. a staleness bound) is awaited before a
+        new group of ``n`` samples starts; groups are admitted one at a time, in order, and
+        a checkpointed episode needs no admission.
 
-        Leaving the loop early cancels the episodes still running.
+        Leaving the loop early cancels the episodes still running; episodes that finished
+        but were not yielded yet stay with ``take_undelivered``.
         """
         if self._tg is None:
             raise RuntimeError("use `async with RolloutEngine(...) as engine` before run()")
         if tasks is None:
             tasks = self.env.tasks()
-        checkpoints = list(checkpoints)
+        checkpoints, finished = list(checkpoints), list(finished)
         if total is None and hasattr(tasks, "__len__"):
             total = len(tasks) * self.config.samples_per_task + len(checkpoints)  # type: ignore[arg-type]
+            total += len(finished)
         jobs = self._jobs(tasks, checkpoints)
+        undelivered = self._undelivered
+        for traj in finished:
+            undelivered[traj.id] = traj
         results: asyncio.Queue[_Outcome | BaseException | None] = asyncio.Queue(
             maxsize=2 * self.config.concurrency
         )
@@ -322,6 +346,7 @@ class RolloutEngine:
                     outcome = await self.run_episode(
                         task, sample_index=index, group_id=group, checkpoint=cp
                     )
+                    undelivered[outcome.trajectory.id] = outcome.trajectory
                     await results.put(outcome)
             except asyncio.CancelledError:
                 raise  # the consumer is gone or leaving: nobody waits for a sentinel
@@ -336,6 +361,13 @@ class RolloutEngine:
         running = len(workers)
         progress = Progress("episodes", total, mode=self.config.progress)
         try:
+            for traj in finished:
+                progress.advance(failed=traj.status == "failed")
+                if self._has_group_reward:  # scored with the rest of its group
+                    pending.setdefault(traj.group_id, []).append(_Outcome(traj, self.env))
+                else:
+                    undelivered.pop(traj.id, None)
+                    yield traj
             while running:
                 item = await results.get()
                 if item is None:
@@ -345,6 +377,7 @@ class RolloutEngine:
                     raise item
                 progress.advance(failed=item.trajectory.status == "failed")
                 if not self._has_group_reward:
+                    undelivered.pop(item.trajectory.id, None)
                     yield item.trajectory
                     continue
                 group = pending.setdefault(item.trajectory.group_id, [])
@@ -352,6 +385,7 @@ class RolloutEngine:
                 if len(group) == self.config.samples_per_task:
                     del pending[item.trajectory.group_id]
                     for traj in await self._score_group(group):
+                        undelivered.pop(traj.id, None)
                         yield traj
         finally:
             progress.close()
@@ -463,7 +497,7 @@ class RolloutEngine:
         self.stats["episodes"] += 1
         self.stats["failed"] += error is not None
         self.stats["turns"] += len(run.turns)
-        return _Outcome(traj, env, state)
+        return _Outcome(traj, env)
 
     def _build(self, run: EpisodeRun) -> Trajectory:
         st, turns = run.state, run.turns

@@ -5,8 +5,9 @@ Role: ``RolloutService`` builds the recipe's environment and replicas, runs epis
 ``TrajectoryStream`` (spool first, then the buffer) served over HTTP, and applies the weights
 a trainer pushes with the recipe's sync strategy and resume policy, while episodes go on.
 Invariants: a group is published only whole; nothing finished is dropped at a stop (in-flight
-episodes are checkpointed, finished members of unfinished groups are saved beside them and
-both are continued by the next start); every sync, counter and busy/idle interval is written
+episodes are checkpointed; finished members of unfinished groups, and finished episodes the
+engine still held because the producer was busy publishing, are saved beside them; the next
+start continues both); every sync, counter and busy/idle interval is written
 to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
 """
 
@@ -372,14 +373,18 @@ class RolloutService:
         done = [t.id for t in group if t.id in self._continued]
         if done:  # a continued episode's checkpoint is done with once it is durable
             self._continued.difference_update(done)
-            await asyncio.to_thread(self._remove_checkpoints, done)
+            # shielded: a stop that cancels this publisher leaves no published episode's
+            # checkpoint behind (the next start would continue it a second time)
+            await asyncio.shield(asyncio.to_thread(self._remove_checkpoints, done))
 
     def _remove_checkpoints(self, episode_ids: list[str]) -> None:
         for episode_id in episode_ids:
             shutil.rmtree(self.checkpoint_dir / episode_id, ignore_errors=True)
 
-    def _load_stopped(self) -> list[EpisodeCheckpoint]:
-        """Checkpoints and finished members of unfinished groups left by the last stop."""
+    def _load_stopped(self) -> tuple[list[EpisodeCheckpoint], list[Trajectory]]:
+        """Checkpoints and finished episodes left by the last stop (members of unfinished
+        groups, and episodes the engine had not handed over yet): ``run(finished=...)``
+        delivers the latter again, or scores them with the rest of their group."""
         try:
             checkpoints = load_checkpoints(self.checkpoint_dir)
             finished = self.checkpoint_dir / FINISHED
@@ -389,18 +394,23 @@ class RolloutService:
                 f"cannot continue the stopped run: {exc}; move what is damaged out of "
                 f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
             ) from exc
-        for t in stopped:
-            self._groups.setdefault(t.group_id, []).append(t)
         if finished.is_file():
             finished.unlink()
-        self._restored = len(checkpoints) + sum(len(g) for g in self._groups.values())
+        self._restored = len(checkpoints) + len(stopped)
         self._continued = {cp.episode_id for cp in checkpoints}
-        return checkpoints
+        return checkpoints, stopped
 
-    async def _checkpoint(self, engine: RolloutEngine) -> int:
+    async def _checkpoint(self, engine: RolloutEngine, producer: asyncio.Task[None]) -> int:
+        """At a stop: episodes in flight to checkpoints; finished episodes not published
+        (members of unfinished groups, and ones the engine still held because the producer
+        was busy publishing) to ``FINISHED``."""
         await engine.pause()
         paths = await engine.checkpoint(self.checkpoint_dir)
-        pending = [t for g in self._groups.values() for t in g]
+        # leaving the loop over engine.run: what it had not yielded is taken back below (a
+        # group being published when cancelled is in the spool already)
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        pending = [t for g in self._groups.values() for t in g] + engine.take_undelivered()
         if pending:
             writer = TrajectoryWriter(self.checkpoint_dir / FINISHED)
             writer.open()
@@ -424,7 +434,7 @@ class RolloutService:
             if recipe.environment.num_tasks is not None:
                 tasks = tasks[: recipe.environment.num_tasks]
         self.backend = build_backend(recipe, self.model_dir)
-        checkpoints = await asyncio.to_thread(self._load_stopped)
+        checkpoints, stopped = await asyncio.to_thread(self._load_stopped)
         self.metrics.event("run", event="start", component=self.metrics.component)
         await self.backend.start()
         checkpointed = 0
@@ -449,6 +459,7 @@ class RolloutService:
                     async for traj in engine.run(
                         cycle_tasks(tasks, recipe.run.seed),
                         checkpoints=checkpoints,
+                        finished=stopped,
                         admit=self._admit,
                     ):
                         await self._publish(traj)
@@ -459,7 +470,7 @@ class RolloutService:
                     await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
                     if producer.done():
                         producer.result()  # an engine error surfaces here
-                    checkpointed = await self._checkpoint(engine)
+                    checkpointed = await self._checkpoint(engine, producer)
                 finally:
                     for task in (producer, stopper, sampler):
                         task.cancel()

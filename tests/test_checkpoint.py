@@ -20,7 +20,7 @@ from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
 from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
 from agentroll.engine.engine import RequestSnapshot
-from agentroll.env import Environment, tool
+from agentroll.env import Environment, Rubric, tool
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import Message, Task, ToolCall, ToolResult, Trajectory, Turn
@@ -403,6 +403,129 @@ async def test_without_snapshots_a_mid_generation_checkpoint_regenerates_the_tur
         assert engine.stats["restarted_turns"] == 1
     assert got.metrics["restarted_turns"] == 1 and same_trajectory(ref, got)
     assert [r.turn_index for r in fresh.requests] == [1]  # only the dropped turn was redone
+
+
+# -- a stop while the consumer of run() is behind ---------------------------------------------------
+
+
+async def test_episodes_finished_but_not_yet_yielded_survive_a_stop(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """A consumer busy with one trajectory (a slow publish) while the other episodes finish:
+    they wait in run()'s queue, are neither live (no checkpoint) nor delivered.  A stop hands
+    them back (take_undelivered) and the next run(finished=...) yields them without running
+    anything again: every task exactly once, as in an uninterrupted run."""
+    tasks = [Task(id=f"t{i}", data={"prompt": f"{i} + 3?"}) for i in range(6)]
+    cfg = RolloutConfig(progress="off", concurrency=6)
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        reference = {t.task_id: t async for t in engine.run(tasks)}
+
+    hold = asyncio.Event()
+    got: list[Trajectory] = []
+
+    async def busy_consumer(trajectories: AsyncIterator[Trajectory]) -> None:
+        async for t in trajectories:
+            got.append(t)
+            await hold.wait()
+
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        consumer = asyncio.create_task(busy_consumer(engine.run(tasks)))
+        async with asyncio.timeout(30):  # no event for "an episode finished": poll
+            while engine.stats["episodes"] < len(tasks):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        await engine.pause()
+        assert await engine.checkpoint(tmp_path) == []  # nothing is live
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        left = engine.take_undelivered()
+        assert engine.take_undelivered() == []
+    assert len(got) == 1 and len(left) == len(tasks) - 1
+    assert not {t.id for t in got} & {t.id for t in left}
+
+    fresh = MockBackend(SCRIPT, tokenizer=tok, record=True)
+    async with RolloutEngine(fresh, Tools(), cfg) as engine:
+        again = [t async for t in engine.run([], finished=left)]
+    assert fresh.requests == []  # delivered, not run again
+    assert sorted(t.task_id for t in got + again) == sorted(reference)
+    for t in got + again:
+        assert same_trajectory(reference[t.task_id], t), t.task_id
+
+
+def spread(trajectories: list[Trajectory]) -> list[float]:
+    """A group reward that needs every sample: each one's distance from the group's mean
+    number of tokens."""
+    mean = sum(t.num_tokens for t in trajectories) / len(trajectories)
+    return [t.num_tokens - mean for t in trajectories]
+
+
+class GroupTools(Tools):
+    rubric = Rubric(group_funcs=[spread])
+
+
+class GateNth(MockBackend):
+    """Holds the ``n``-th turn-1 request after its first chunk (until the test ends)."""
+
+    def __init__(self, *args: Any, n: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.n, self.seen, self.arrived = n, 0, asyncio.Event()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        gated = False
+        if request.turn_index == 1:
+            self.seen += 1
+            gated = self.seen == self.n
+        async for chunk in super().generate(request):
+            yield chunk
+            if gated:
+                self.arrived.set()
+                await asyncio.Event().wait()
+
+
+async def test_a_group_cut_by_a_stop_is_scored_whole_after_the_restart(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """With group rewards a finished sample waits in run() for its group; stopped while the
+    group's other sample is mid-generation, the finished one is handed back and the next
+    run scores it with the continued one: the group's rewards are those of an uninterrupted
+    run, and no sample is run twice."""
+    tasks = [Task(id=f"t{i}", data={"prompt": f"{i} + 3?"}) for i in range(3)]
+    cfg = RolloutConfig(progress="off", concurrency=1, samples_per_task=2)
+    chunks = {"chunk_size": 3}
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok, **chunks), GroupTools(), cfg) as e:
+        reference = {(t.task_id, t.sample_index): t async for t in e.run(tasks)}
+
+    # one episode at a time: t0 (both samples) finishes, t1's first sample finishes and
+    # waits for its group, t1's second sample is held three tokens into its second turn
+    backend = GateNth(SCRIPT, tokenizer=tok, n=4, **chunks)
+    got: list[Trajectory] = []
+
+    async def consume(trajectories: AsyncIterator[Trajectory]) -> None:
+        async for t in trajectories:
+            got.append(t)
+
+    async with RolloutEngine(backend, GroupTools(), cfg) as engine:
+        consumer = asyncio.create_task(consume(engine.run(tasks)))
+        await asyncio.wait_for(backend.arrived.wait(), 30)
+        await engine.pause()
+        assert len(await engine.checkpoint(tmp_path)) == 1  # t1's second sample
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        left = engine.take_undelivered()
+    assert sorted((t.task_id, t.sample_index) for t in got) == [("t0", 0), ("t0", 1)]
+    assert [(t.task_id, t.sample_index) for t in left] == [("t1", 0)]
+
+    [cp] = load_checkpoints(tmp_path)
+    fresh = MockBackend(SCRIPT, tokenizer=tok, record=True, **chunks)
+    async with RolloutEngine(fresh, GroupTools(), cfg) as engine:
+        again = [t async for t in engine.run(tasks[2:], checkpoints=[cp], finished=left)]
+    assert sorted((t.task_id, t.sample_index) for t in again) == [
+        ("t1", 0), ("t1", 1), ("t2", 0), ("t2", 1)
+    ]  # fmt: skip
+    # t1's first sample was not run again: only its second sample's turn and t2's samples
+    assert len(fresh.requests) == 1 + 2 * 2
+    for t in got + again:
+        ref = reference[(t.task_id, t.sample_index)]
+        assert same_trajectory(ref, t) and t.rewards == ref.rewards, (t.task_id, t.sample_index)
 
 
 async def test_a_checkpoint_of_another_environment_fails_its_episode(

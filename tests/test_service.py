@@ -11,8 +11,10 @@ import pytest
 
 from agentroll.metrics import read_trace
 from agentroll.recipe import Recipe, parse_recipe
+from agentroll.rollout import RolloutEngine
 from agentroll.service import RolloutService, cycle_tasks
 from agentroll.stream.client import StreamClient
+from agentroll.stream.server import TrajectoryStream
 from agentroll.testing import SyntheticTrainer
 from agentroll.types import Task, Trajectory
 
@@ -144,3 +146,53 @@ async def test_on_policy_mode_never_hands_out_or_drops_stale_data(
         stop.set()
         await asyncio.wait_for(task, 60)
     assert status["stream"]["dropped_stale"] == 0
+
+
+@pytest.mark.slow
+async def test_a_stop_while_the_producer_is_held_loses_no_finished_episode(
+    tiny_model: Path, tmp_path: Path, small_fleet_toml: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Episodes that finish while the worker's producer is held in a publish (back-pressure,
+    a slow disk) wait inside the rollout engine, neither live nor published: a stop saves
+    them beside the checkpoints and the next start delivers them.  None is lost."""
+    recipe = parse_recipe(HEAD + small_fleet_toml)
+    finished: set[str] = set()
+    real_episode = RolloutEngine.run_episode
+
+    async def run_episode(self: RolloutEngine, *args: Any, **kwargs: Any) -> Any:
+        outcome = await real_episode(self, *args, **kwargs)
+        finished.add(outcome.trajectory.id)
+        return outcome
+
+    real_publish = TrajectoryStream.publish
+    held = asyncio.Event()
+
+    async def publish(self: TrajectoryStream, group: Any) -> None:
+        await real_publish(self, group)  # durable and offered, then the producer is held
+        held.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(RolloutEngine, "run_episode", run_episode)
+    monkeypatch.setattr(TrajectoryStream, "publish", publish)
+    task, stop, url = await _serve(recipe, tiny_model, tmp_path)
+    await asyncio.wait_for(held.wait(), 60)
+    async with asyncio.timeout(60):  # more groups finish and wait in the engine
+        while len(finished) < 8:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(task, 60)
+    before_stop = set(finished)
+
+    monkeypatch.setattr(TrajectoryStream, "publish", real_publish)
+    task, stop, url = await _serve(recipe, tiny_model, tmp_path)
+    got: set[str] = set()
+    try:
+        async with StreamClient(url) as client, asyncio.timeout(120):
+            while not before_stop <= got:
+                batch = await client.lease(16, wait=30)
+                assert batch is not None, f"never delivered: {sorted(before_stop - got)}"
+                got |= {t.id for t in batch.trajectories}
+                await client.ack(t.id for t in batch.trajectories)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
