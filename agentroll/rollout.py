@@ -320,8 +320,8 @@ class RolloutEngine:
             tasks = self.env.tasks()
         checkpoints, finished = list(checkpoints), list(finished)
         if total is None and hasattr(tasks, "__len__"):
-            total = len(tasks) * self.config.samples_per_task + len(checkpoints)  # type: ignore[arg-type]
-            total += len(finished)
+            total = len(tasks) * self.config.samples_per_task  # type: ignore[arg-type]
+            total += len(checkpoints) + len(finished)
         jobs = self._jobs(tasks, checkpoints)
         undelivered = self._undelivered
         for traj in finished:

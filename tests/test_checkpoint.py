@@ -360,18 +360,23 @@ SCRIPT = [
 
 
 class Gated(MockBackend):
-    """Stops each turn-1 request after its first chunk until ``proceed`` is set."""
+    """Stops each turn-1 request (only the ``nth`` one, counting from 1, when given) after
+    its first chunk until ``proceed`` is set."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, nth: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.arrived, self.proceed = asyncio.Event(), asyncio.Event()
+        self.nth, self.seen = nth, 0
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        first = True
+        gated = False
+        if request.turn_index == 1:
+            self.seen += 1
+            gated = self.nth is None or self.seen == self.nth
         async for chunk in super().generate(request):
             yield chunk
-            if first and request.turn_index == 1:
-                first = False
+            if gated:
+                gated = False
                 self.arrived.set()
                 await self.proceed.wait()
 
@@ -462,25 +467,6 @@ class GroupTools(Tools):
     rubric = Rubric(group_funcs=[spread])
 
 
-class GateNth(MockBackend):
-    """Holds the ``n``-th turn-1 request after its first chunk (until the test ends)."""
-
-    def __init__(self, *args: Any, n: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.n, self.seen, self.arrived = n, 0, asyncio.Event()
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        gated = False
-        if request.turn_index == 1:
-            self.seen += 1
-            gated = self.seen == self.n
-        async for chunk in super().generate(request):
-            yield chunk
-            if gated:
-                self.arrived.set()
-                await asyncio.Event().wait()
-
-
 async def test_a_group_cut_by_a_stop_is_scored_whole_after_the_restart(
     tok: ChatTokenizer, tmp_path: Path
 ) -> None:
@@ -496,7 +482,7 @@ async def test_a_group_cut_by_a_stop_is_scored_whole_after_the_restart(
 
     # one episode at a time: t0 (both samples) finishes, t1's first sample finishes and
     # waits for its group, t1's second sample is held three tokens into its second turn
-    backend = GateNth(SCRIPT, tokenizer=tok, n=4, **chunks)
+    backend = Gated(SCRIPT, tokenizer=tok, nth=4, **chunks)  # never let go
     got: list[Trajectory] = []
 
     async def consume(trajectories: AsyncIterator[Trajectory]) -> None:
