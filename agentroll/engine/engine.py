@@ -134,6 +134,11 @@ class KVHold:
             raise ValueError("this KV hold was released")
         return self.runner.read_blocks(self.block_ids[:n_blocks])
 
+    @property
+    def alive(self) -> bool:
+        """Whether the blocks are still held (not released yet)."""
+        return self._finalizer.alive
+
     def release(self) -> None:
         self._finalizer()
 
@@ -664,7 +669,19 @@ class LLMEngine:
         """Continue a snapshotted request here.  Its KV is written back bit-exactly when the
         engine matches (same model, dtype, block size) and the KV's weights version is not
         newer than this engine's; otherwise it is recomputed.  Raises ``ValueError`` for an
-        inconsistent snapshot."""
+        inconsistent snapshot, or when its KV does not fit now.
+
+        A held KV (``kv_hold``) is handed back whatever the outcome: read when restored,
+        unread when refused.  A refused snapshot may stay referenced for long (a traceback's
+        frame, a log record's arguments), and its hold must not keep the source's blocks
+        meanwhile; restored again later, it recomputes its KV."""
+        try:
+            self._restore(snap, paused=paused)
+        finally:
+            if snap.kv_hold is not None:
+                snap.kv_hold.release()
+
+    def _restore(self, snap: RequestSnapshot, *, paused: bool) -> None:
         if snap.request_id in self.requests:
             raise ValueError(f"request {snap.request_id!r} is already running here")
         if not 0 < snap.num_prompt_tokens <= len(snap.token_ids) or snap.num_computed_tokens >= len(
@@ -695,12 +712,11 @@ class LLMEngine:
         hold = snap.kv_hold
         usable = (
             snap.has_kv
+            and (hold is None or hold.alive)
             and snap.num_computed_tokens > 0
             and snap.model_fingerprint == self.fingerprint
             and snap.kv_version <= self.policy_version
         )
-        if hold is not None and not usable:
-            hold.release()  # its KV is computed again here
         if usable:
             n_blocks = seq.num_blocks_needed(self.config.block_size, snap.num_computed_tokens)
             if hold is not None:
@@ -723,8 +739,6 @@ class LLMEngine:
                     "not enough free KV blocks to restore now; retry when requests finish"
                 )
             self.runner.write_blocks(seq.block_table[:n_blocks], k, v)
-            if hold is not None:
-                hold.release()
         else:
             self.scheduler.add(seq)
             if paused and seq.status is not SequenceStatus.FINISHED:

@@ -94,6 +94,15 @@ class _Call:
         return len(self.request.prompt_ids)
 
 
+def _release_hold(snapshot: Any) -> None:
+    """Hand back the KV blocks a snapshot holds on its source replica (``hold_kv``), if
+    any: a snapshot that will not be restored must not wait for the garbage collector
+    (an exception's traceback, or a log record, may keep it for long)."""
+    hold = getattr(snapshot, "kv_hold", None)
+    if hold is not None:
+        hold.release()
+
+
 class FleetBackend(Backend):
     """``FleetBackend([LocalReplica(TorchBackend(m)), ...], strategy="rolling")``.
 
@@ -397,7 +406,26 @@ class FleetBackend(Backend):
         False when no other replica may (the call stays).  ``with_kv=False`` recomputes its
         KV there; ``restart`` drops its partial generation and starts it over (the
         baseline peers use), telling the consumer to roll back what it received.
-        ``snapshot``: the call's snapshot, when the caller took it already (in bulk)."""
+        ``snapshot``: the call's snapshot, when the caller took it already (in bulk); a
+        KV it holds on the source is handed back when the call does not move (else the
+        target hands it back once it has read it)."""
+        try:
+            moved = await self._migrate(call, exclude, with_kv, restart, snapshot)
+        except BaseException:
+            _release_hold(snapshot)
+            raise
+        if not moved:
+            _release_hold(snapshot)
+        return moved
+
+    async def _migrate(
+        self,
+        call: _Call,
+        exclude: set[str],
+        with_kv: bool | None,
+        restart: bool,
+        snapshot: Any,
+    ) -> bool:
         src = call.replica
         if src is None or call.pump is None or call.pump.done():
             return False

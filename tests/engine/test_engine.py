@@ -118,6 +118,49 @@ def test_a_held_snapshot_continues_exactly_in_another_engine_and_is_released(
     assert src.scheduler.block_manager.num_used_blocks == 0
 
 
+def test_a_refused_held_snapshot_hands_its_blocks_back_at_once(tiny_model: Path) -> None:
+    """A target that refuses a held snapshot (the request runs there already, or its KV
+    does not fit now) hands the hold back at once, though the snapshot stays referenced (a
+    traceback's frame or a log record keeps it in a fleet): the source's blocks are not
+    kept until a garbage collection.  Restored again, it recomputes its KV, exactly."""
+    cfg = EngineConfig(model=str(tiny_model), num_blocks=128)
+    src, dst = LLMEngine(cfg), LLMEngine(cfg)
+    ref = run(dst, {"r": (prompt(dst, "refuse me"), P)})["r"]
+    part = run(src, {"r": (prompt(src, "refuse me"), P)}, until=9)["r"]
+    released: list[list[int]] = []
+    src.pause_all()
+    snap = src.snapshot_many(["r"], hold_kv=released.append)["r"]
+    assert snap.kv_hold is not None
+    src.abort("r")
+    run(dst, {"r": (prompt(dst, "refuse me"), P)}, until=2)  # "r" runs there already
+    with pytest.raises(ValueError, match="already running"):
+        dst.restore(snap)
+    assert len(released) == 1 and not snap.kv_hold.alive  # handed back, not garbage-collected
+    src.release_blocks(released[0])
+    assert src.scheduler.block_manager.num_used_blocks == 0
+    dst.abort("r")
+    dst.restore(snap)  # its hold is gone: the KV is computed again, the tokens the same
+    tail: list = []
+    while dst.has_work():
+        tail += dst.step()
+    got = part + tail
+    assert [(o.token_id, o.logprob) for o in got] == [(o.token_id, o.logprob) for o in ref]
+    assert len(released) == 1
+    # no room for its KV there now: refused, and handed back all the same
+    run(src, {"s": (prompt(src, "refuse me"), P)}, until=9)
+    src.pause_all()
+    held = src.snapshot_many(["s"], hold_kv=released.append)["s"]
+    small = LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=4))
+    run(small, {"big": (prompt(small, "a long prompt that fills three blocks " * 2), P)}, until=2)
+    assert small.scheduler.block_manager.num_free_blocks < 2
+    with pytest.raises(ValueError, match="not enough free KV blocks"):
+        small.restore(held)
+    assert len(released) == 2
+    src.release_blocks(released[1])
+    src.abort("s")
+    assert src.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_restart_policy_replays_the_turn(engine: LLMEngine) -> None:
     ref = run(engine, {"x": (prompt(engine, "restart"), P)})["x"]
     part = run(engine, {"x": (prompt(engine, "restart"), P)}, until=6)["x"]

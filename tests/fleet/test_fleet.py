@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import functools
 import gc
+import logging
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -218,9 +220,16 @@ async def no_blocks_in_use(fleet: FleetBackend) -> None:
         await asyncio.sleep(0.02)
     holds = [o for o in gc.get_objects() if type(o).__name__ == "KVHold"]
     referrers = [type(r).__name__ for h in holds for r in gc.get_referrers(h)]
+    # who keeps the snapshots that keep the holds (a frame: which function)
+    snaps = [r for h in holds for r in gc.get_referrers(h) if type(r).__name__ == "RequestSnapshot"]
+    keepers = [
+        f"frame {r.f_code.co_name}" if isinstance(r, types.FrameType) else type(r).__name__
+        for snap in snaps
+        for r in gc.get_referrers(snap)
+    ]
     raise AssertionError(
         f"KV blocks still in use (held?) after the run: {used()}; {len(holds)} KVHold "
-        f"objects alive, referred to by {referrers[:10]}"
+        f"objects alive, referred to by {referrers[:10]}; their snapshots by {keepers[:10]}"
     )
 
 
@@ -405,6 +414,42 @@ async def test_a_target_that_refuses_the_kv_recomputes_it(
         assert_quiet(fleet)
     assert fleet.stats.migrated == 1 and fleet.stats.failovers == 0
     assert fleet.stats.tokens_recomputed > 0
+    assert got == reference
+
+
+async def test_a_refused_held_kv_goes_back_to_its_replica_at_once(
+    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A call moved with its KV held on the source (``hold_kv``) and refused by the target
+    (no room for the KV there now) continues, KV recomputed, and the source gets its
+    blocks back at once: the refusal's log record keeps the snapshot (through the
+    exception's frames), so waiting for it to be collected would keep them for long."""
+    caplog.set_level(logging.INFO, logger="agentroll.fleet")  # records kept, as a log would
+    reps = await make_replicas("local", 2, tiny_model, **ENGINE, batch_invariant=True)
+    for replica in reps:
+        scheduler = replica.backend.engine.scheduler
+        monkeypatch.setattr(scheduler, "add_with_kv", lambda *a, **k: False)
+    async with FleetBackend(reps) as fleet:
+        assert fleet.hold_kv
+        prompt = sample_prompts(tokenizer(), 1)[0]
+        reference = await collect(fleet, request(0, prompt, tag="ref"))
+
+        async def move_at_8(n: int) -> None:
+            if n >= 8 and fleet.stats.migrated == 0:
+                call = fleet._calls["req-0"]
+                assert call.replica is not None
+                src = call.replica
+                await fleet.pause_replica(src.name)
+                snaps = await src.snapshot_many(["req-0"], hold_kv=True)
+                assert snaps["req-0"].kv_hold is not None
+                assert await fleet.migrate(call, {src.name}, snapshot=snaps.pop("req-0"))
+                await fleet.resume_replica(src.name)
+
+        got = await collect(fleet, request(0, prompt), move_at_8)
+        assert_quiet(fleet)
+        assert any("refused a snapshot" in r.getMessage() for r in caplog.records)
+        await no_blocks_in_use(fleet)
+    assert fleet.stats.migrated == 1 and fleet.stats.tokens_recomputed > 0
     assert got == reference
 
 
