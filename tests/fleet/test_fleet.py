@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import gc
-import logging
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -418,13 +417,13 @@ async def test_a_target_that_refuses_the_kv_recomputes_it(
 
 
 async def test_a_refused_held_kv_goes_back_to_its_replica_at_once(
-    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A call moved with its KV held on the source (``hold_kv``) and refused by the target
     (no room for the KV there now) continues, KV recomputed, and the source gets its
-    blocks back at once: the refusal's log record keeps the snapshot (through the
-    exception's frames), so waiting for it to be collected would keep them for long."""
-    caplog.set_level(logging.INFO, logger="agentroll.fleet")  # records kept, as a log would
+    blocks back at once: the refusal's exception keeps the restore's frame, and with it
+    the snapshot, in a reference cycle until a garbage collection (CI saw 28 blocks kept
+    on a replica after a rolling update under load)."""
     reps = await make_replicas("local", 2, tiny_model, **ENGINE, batch_invariant=True)
     for replica in reps:
         scheduler = replica.backend.engine.scheduler
@@ -447,7 +446,6 @@ async def test_a_refused_held_kv_goes_back_to_its_replica_at_once(
 
         got = await collect(fleet, request(0, prompt), move_at_8)
         assert_quiet(fleet)
-        assert any("refused a snapshot" in r.getMessage() for r in caplog.records)
         await no_blocks_in_use(fleet)
     assert fleet.stats.migrated == 1 and fleet.stats.tokens_recomputed > 0
     assert got == reference
