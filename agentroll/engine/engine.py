@@ -172,8 +172,10 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
 
     @property
     def has_kv(self) -> bool:
-        """Whether it carries its KV (copied in ``k``/``v``, or held: ``kv_hold``)."""
-        return self.kv_hold is not None or (self.k is not None and self.v is not None)
+        """Whether it carries its KV (copied in ``k``/``v``, or held: ``kv_hold``, until
+        the hold is released)."""
+        hold = self.kv_hold
+        return (hold is not None and hold.alive) or (self.k is not None and self.v is not None)
 
     def truncated(self, num_generated: int) -> RequestSnapshot:
         """This snapshot as it was after ``num_generated`` sampled tokens (a consumer that

@@ -136,6 +136,7 @@ def test_a_refused_held_snapshot_hands_its_blocks_back_at_once(tiny_model: Path)
     with pytest.raises(ValueError, match="already running"):
         dst.restore(snap)
     assert len(released) == 1 and not snap.kv_hold.alive  # handed back, not garbage-collected
+    assert not snap.has_kv
     src.release_blocks(released[0])
     assert src.scheduler.block_manager.num_used_blocks == 0
     dst.abort("r")
