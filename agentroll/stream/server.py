@@ -96,9 +96,9 @@ class _Lane:
     task: asyncio.Task[None] | None = None
 
 
-#: a records round is cut after this many payload bytes: the rest waits for the next writev,
-#: which runs while this round's fdatasync does (one unbounded round would make every
-#: publisher wait for all of it, then leave the disk idle while they all encode again)
+#: a records round is cut after this many payload bytes: the rest waits for the next round
+#: (one unbounded round would make its first publishers wait for all of it; on 2026-12-02
+#: rounds of 8 and 64 MB streamed no faster than 2 MB, 1 MB about as fast)
 _ROUND_BYTES = 2 << 20
 
 
@@ -113,41 +113,41 @@ def _round(jobs: list[_Job], limit: int) -> tuple[list[_Job], list[_Job]]:
 
 
 class _RecordsCommitter:
-    """Two threads that make published records durable with no event-loop step between
-    them: the writer appends each queued round (cut at ``_ROUND_BYTES``; one writev) and
-    hands it to the syncer, whose fdatasync covers every round written before it began, so
-    the next round's writev runs while the last one's fdatasync waits on the disk.  Each
-    round's callers are answered with one ``call_soon_threadsafe``."""
+    """One thread that makes published records durable with no event-loop step in between:
+    it appends the queued round (cut at ``_ROUND_BYTES``; one writev), fdatasyncs it, and
+    answers the round's callers with one ``call_soon_threadsafe``; what was queued meanwhile
+    is the next round, so publishers that arrive during an fdatasync share the next one.
+
+    One thread, not a writer and a syncer overlapping the next round's writev with the last
+    one's fdatasync (as until 2026-12-02): with the two, `bench stream` streamed 0.42-0.43 of
+    its limit against 0.48-0.49 with one (medians of three alternating series on a 2-core VM;
+    11 of 12 pairs better, worker CPU -0.2 s): a hand-off between two threads costs a futex
+    wake-up, and the syncer its own trips for the GIL, on every round."""
 
     def __init__(self, stream: TrajectoryStream, loop: asyncio.AbstractEventLoop) -> None:
         self._stream = stream
         self._loop = loop
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)  # the writer waits on it: jobs queued
-        self._written_cond = threading.Condition(lock)  # the syncer: rounds written
+        self._cond = threading.Condition(threading.Lock())  # the thread waits: jobs queued
         self._queued: list[_Job] = []
-        self._written: list[_Job] = []
         self._closing = False
-        self._writer_done = False
-        self._threads = [
-            threading.Thread(target=self._write_loop, name="agentroll-spool-write", daemon=True),
-            threading.Thread(target=self._sync_loop, name="agentroll-spool-sync", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._done = False
+        self._thread = threading.Thread(
+            target=self._commit_loop, name="agentroll-spool-commit", daemon=True
+        )
+        self._thread.start()
 
     def submit(self, job: _Job) -> None:
-        """Queue ``job``; raises RuntimeError once the writer thread has stopped."""
+        """Queue ``job``; raises RuntimeError once the commit thread has stopped."""
         with self._cond:
-            if self._writer_done:
+            if self._done:
                 raise RuntimeError(
                     "the spool's writer thread has stopped (see the log); restart the worker"
                 )
             self._queued.append(job)
-            self._cond.notify()  # the writer only: the syncer has nothing new to do
+            self._cond.notify()
 
-    def _write_loop(self) -> None:
-        jobs: list[_Job] = []  # the round in hand: answered or handed on, else stranded
+    def _commit_loop(self) -> None:
+        jobs: list[_Job] = []  # the round in hand: answered, else stranded
         try:
             while True:
                 with self._cond:
@@ -162,18 +162,23 @@ class _RecordsCommitter:
                     for job in jobs:
                         job.error = job.error or exc
                 failed = [job for job in jobs if job.error is not None]
+                written = [job for job in jobs if job.error is None]
+                if written:
+                    try:
+                        self._stream.spool.sync_records()
+                    except Exception as exc:
+                        logger.exception("spool fdatasync failed")
+                        for job in written:
+                            job.error = exc
                 if failed:
                     self._loop.call_soon_threadsafe(self._stream._answer, failed, False)
-                with self._cond:
-                    self._written += [job for job in jobs if job.error is None]
-                    jobs = []
-                    self._written_cond.notify()
+                if written:
+                    self._loop.call_soon_threadsafe(self._stream._answer, written, True)
+                jobs = []
         finally:
             with self._cond:
-                self._writer_done = True
+                self._done = True
                 stranded, self._queued = jobs + self._queued, []
-                self._cond.notify_all()
-                self._written_cond.notify_all()
             if stranded:  # only when the thread died of an unexpected error
                 for job in stranded:
                     job.error = RuntimeError(
@@ -181,28 +186,12 @@ class _RecordsCommitter:
                     )
                 self._loop.call_soon_threadsafe(self._stream._answer, stranded, False)
 
-    def _sync_loop(self) -> None:
-        while True:
-            with self._written_cond:
-                self._written_cond.wait_for(lambda: self._written or self._writer_done)
-                if not self._written:
-                    return
-                jobs, self._written = self._written, []
-            try:
-                self._stream.spool.sync_records()
-            except Exception as exc:
-                logger.exception("spool fdatasync failed")
-                for job in jobs:
-                    job.error = exc
-            self._loop.call_soon_threadsafe(self._stream._answer, jobs, True)
-
     def close(self) -> None:
-        """Blocking: commit what is queued, then stop both threads."""
+        """Blocking: commit what is queued, then stop the thread."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        for thread in self._threads:
-            thread.join()
+        self._thread.join()
 
 
 class TrajectoryStream:
@@ -368,8 +357,8 @@ class TrajectoryStream:
                 return
 
     def _write_records(self, jobs: list[_Job]) -> None:
-        """In the writer thread: append every job's records with one writev (not yet
-        durable: the syncer's fdatasync makes them so); a job whose id was published before
+        """In the commit thread: append every job's records with one writev (not yet
+        durable: the fdatasync after it makes them so); a job whose id was published before
         fails."""
         spool = self.spool
         with self._tally:

@@ -460,45 +460,45 @@ async def test_a_publish_is_answered_only_after_an_fsync_that_covers_it(tmp_path
         assert fsyncs[0] <= 240 // 4
 
 
-async def test_next_round_is_written_while_the_last_one_is_fsyncd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Records rounds are cut at ``_ROUND_BYTES`` and pipelined: a round's writev runs while
-    the previous round's fdatasync waits on the disk (every publish still waits for an
-    fdatasync that covers it: the test above)."""
-    import agentroll.stream.server as server
-
-    monkeypatch.setattr(server, "_ROUND_BYTES", 1)  # every group its own round
+async def test_publishes_that_arrive_during_an_fsync_share_the_next_one(tmp_path: Path) -> None:
+    """One thread writes a round, fdatasyncs it and answers it; the publishes queued while
+    that fdatasync waits on the disk are the next round: one writev and one fdatasync for
+    all of them, and none is answered before it (every publish still waits for an fsync
+    that covers it: the test above)."""
     async with worker(tmp_path, config(capacity=512)) as (stream, _):
         spool = stream.spool
-        syncing = threading.Event()  # the first fdatasync has begun
-        written_meanwhile = threading.Event()  # and a writev ran before it ended
+        committer = stream._records
+        assert committer is not None
         rounds: list[int] = []
+        fsyncs: list[int] = []  # the records written when each fdatasync began
+        waiting: list[int] = []  # publishes queued (none written) when the first one ended
         append_many, sync_records = spool.append_many, spool.sync_records
 
         def append(items: Iterable[tuple[str, bytes]]) -> None:
             items = list(items)
             rounds.append(len(items))
             append_many(items)
-            if syncing.is_set():
-                written_meanwhile.set()
 
         def slow_sync() -> None:
-            syncing.set()
-            written_meanwhile.wait(5)  # a disk that answers only once the next round is written
+            fsyncs.append(sum(rounds))
+            if len(fsyncs) == 1:  # a disk that answers once 7 more publishes are queued
+                deadline = time.monotonic() + 5
+                while len(committer._queued) < 7 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                waiting.append(len(committer._queued))
             sync_records()
 
         spool.append_many = append  # type: ignore[method-assign,assignment]
         spool.sync_records = slow_sync  # type: ignore[method-assign]
-
-        async def during_the_first_fsync() -> None:
-            await asyncio.to_thread(syncing.wait, 5)
-            await asyncio.gather(*(stream.publish([traj(i)]) for i in range(1, 8)))
-
-        await asyncio.gather(stream.publish([traj(0)]), during_the_first_fsync())
+        first = asyncio.create_task(stream.publish([traj(0)]))
+        while not fsyncs:  # noqa: ASYNC110 (the commit thread has no event to wait on)
+            await asyncio.sleep(0.001)
+        rest = [asyncio.create_task(stream.publish([traj(i)])) for i in range(1, 8)]
+        await asyncio.gather(first, *rest)
         assert len(spool) == 8
-        assert set(rounds) == {1}  # cut at the first job that reaches the limit
-        assert written_meanwhile.is_set()  # written while an fdatasync was in flight
+        assert waiting == [7]  # nothing is written while an fdatasync is in flight
+        assert rounds == [1, 7]  # the seven queued during the first fdatasync: one round
+        assert fsyncs == [1, 8]  # ... and one fdatasync, after their writev
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
