@@ -711,10 +711,9 @@ class LLMEngine:
             num_prompt_tokens=snap.num_prompt_tokens,
             logprobs=list(snap.logprobs),
         )
-        hold = snap.kv_hold
+        hold = snap.kv_hold if snap.kv_hold is not None and snap.kv_hold.alive else None
         usable = (
-            snap.has_kv
-            and (hold is None or hold.alive)
+            snap.has_kv  # a released hold is no KV (restored again after a refusal)
             and snap.num_computed_tokens > 0
             and snap.model_fingerprint == self.fingerprint
             and snap.kv_version <= self.policy_version

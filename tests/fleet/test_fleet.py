@@ -387,45 +387,17 @@ async def test_migration_mid_generation_is_token_and_logprob_exact(
         assert set(vers) == {(0, 0)}
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["copied", "held"])
 async def test_a_target_that_refuses_the_kv_recomputes_it(
-    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, held: bool
 ) -> None:
     """A migration target that cannot take the moved KV now (too few free blocks) does not
-    fail the call: it continues from the delivered tokens, KV recomputed, tokens unchanged."""
+    fail the call: it continues from the delivered tokens, KV recomputed, tokens unchanged.
+    A KV held on the source (``hold_kv``) goes back to it at once: the refusal's exception
+    keeps the restore's frame, and with it the snapshot, in a reference cycle until a
+    garbage collection (CI saw 28 blocks kept on a replica after a rolling update)."""
     reps = await make_replicas("local", 2, tiny_model, **ENGINE, batch_invariant=True)
-    for replica in reps:
-        engine = replica.backend.engine
-        monkeypatch.setattr(engine, "restore", refusing_kv(engine.restore))
-    async with FleetBackend(reps) as fleet:
-        prompt = sample_prompts(tokenizer(), 1)[0]
-        reference = await collect(fleet, request(0, prompt, tag="ref"))
-
-        async def move_at_8(n: int) -> None:
-            if n >= 8 and fleet.stats.migrated == 0:
-                call = fleet._calls["req-0"]
-                assert call.replica is not None
-                src = call.replica.name
-                await fleet.pause_replica(src)
-                assert await fleet.migrate(call, {src})
-                await fleet.resume_replica(src)
-
-        got = await collect(fleet, request(0, prompt), move_at_8)
-        assert_quiet(fleet)
-    assert fleet.stats.migrated == 1 and fleet.stats.failovers == 0
-    assert fleet.stats.tokens_recomputed > 0
-    assert got == reference
-
-
-async def test_a_refused_held_kv_goes_back_to_its_replica_at_once(
-    make_replicas: Any, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A call moved with its KV held on the source (``hold_kv``) and refused by the target
-    (no room for the KV there now) continues, KV recomputed, and the source gets its
-    blocks back at once: the refusal's exception keeps the restore's frame, and with it
-    the snapshot, in a reference cycle until a garbage collection (CI saw 28 blocks kept
-    on a replica after a rolling update under load)."""
-    reps = await make_replicas("local", 2, tiny_model, **ENGINE, batch_invariant=True)
-    for replica in reps:
+    for replica in reps:  # no room for moved KV anywhere; a recompute is admitted as usual
         scheduler = replica.backend.engine.scheduler
         monkeypatch.setattr(scheduler, "add_with_kv", lambda *a, **k: False)
     async with FleetBackend(reps) as fleet:
@@ -439,25 +411,20 @@ async def test_a_refused_held_kv_goes_back_to_its_replica_at_once(
                 assert call.replica is not None
                 src = call.replica
                 await fleet.pause_replica(src.name)
-                snaps = await src.snapshot_many(["req-0"], hold_kv=True)
-                assert snaps["req-0"].kv_hold is not None
-                assert await fleet.migrate(call, {src.name}, snapshot=snaps.pop("req-0"))
+                snapshot = None  # migrate takes a copy of the KV
+                if held:
+                    snapshot = (await src.snapshot_many(["req-0"], hold_kv=True))["req-0"]
+                    assert snapshot.kv_hold is not None
+                assert await fleet.migrate(call, {src.name}, snapshot=snapshot)
+                del snapshot
                 await fleet.resume_replica(src.name)
 
         got = await collect(fleet, request(0, prompt), move_at_8)
         assert_quiet(fleet)
         await no_blocks_in_use(fleet)
-    assert fleet.stats.migrated == 1 and fleet.stats.tokens_recomputed > 0
+    assert fleet.stats.migrated == 1 and fleet.stats.failovers == 0
+    assert fleet.stats.tokens_recomputed > 0
     assert got == reference
-
-
-def refusing_kv(restore: Callable[..., None]) -> Callable[..., None]:
-    def refuse(snap: Any, **kwargs: Any) -> None:
-        if snap.k is not None:
-            raise ValueError("not enough free KV blocks to restore now (injected)")
-        restore(snap, **kwargs)
-
-    return refuse
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "default"])
