@@ -171,11 +171,15 @@ class RequestSnapshot(msgspec.Struct, kw_only=True):
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def has_kv(self) -> bool:
-        """Whether it carries its KV (copied in ``k``/``v``, or held: ``kv_hold``, until
-        the hold is released)."""
+    def live_hold(self) -> KVHold | None:
+        """``kv_hold`` until it is released (then None: the blocks are gone)."""
         hold = self.kv_hold
-        return (hold is not None and hold.alive) or (self.k is not None and self.v is not None)
+        return hold if hold is not None and hold.alive else None
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether it carries its KV (copied in ``k``/``v``, or held: ``live_hold``)."""
+        return self.live_hold is not None or (self.k is not None and self.v is not None)
 
     def truncated(self, num_generated: int) -> RequestSnapshot:
         """This snapshot as it was after ``num_generated`` sampled tokens (a consumer that
@@ -711,7 +715,7 @@ class LLMEngine:
             num_prompt_tokens=snap.num_prompt_tokens,
             logprobs=list(snap.logprobs),
         )
-        hold = snap.kv_hold if snap.kv_hold is not None and snap.kv_hold.alive else None
+        hold = snap.live_hold
         usable = (
             snap.has_kv  # a released hold is no KV (restored again after a refusal)
             and snap.num_computed_tokens > 0
