@@ -2,10 +2,12 @@
 
 Role: ``EpisodeRun`` is the live state of one episode inside the rollout engine (task,
 seeds, environment copy, trajectory so far, the generation in flight); ``EpisodeCheckpoint``
-is its on-disk form.  A checkpoint is taken only at a quiescent point: at the turn gate
-(``phase == "turn"``: the next turn has not started; tool results of the last turn are in)
-or with the generation paused in the backend (``phase == "generating"``: ``pending`` holds
-the request's tokens so far, its sampler seed and optionally its KV blocks).
+is its on-disk form; ``EpisodeJob`` is a sample of a started group that has no episode yet
+(a stop persists these so the group is completed after the restart).  A checkpoint is taken
+only at a quiescent point: at the turn gate (``phase == "turn"``: the next turn has not
+started; tool results of the last turn are in) or with the generation paused in the backend
+(``phase == "generating"``: ``pending`` holds the request's tokens so far, its sampler seed
+and optionally its KV blocks).
 
 Invariants: a checkpoint directory is written atomically (temp directory + rename) and
 ``load`` refuses a directory it cannot fully read, naming the file; the per-token arrays,
@@ -16,6 +18,7 @@ state beyond the seed and the token count (it is counter-based).
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from pathlib import Path
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
-from agentroll._fs import atomic_dir
+from agentroll._fs import atomic_dir, fsync_path
 from agentroll.backends.base import SamplingParams
 from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import Message, Status, Task, Turn
@@ -183,6 +186,41 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
             raise ValueError(f"episode checkpoint {p} is mid-generation but has no request/")
         cp.builder()  # validates the arrays
         return cp
+
+
+class EpisodeJob(msgspec.Struct, kw_only=True, frozen=True):
+    """A sample of an admitted group that has no episode to continue: it never started (no
+    worker was free yet) or started after the stop's checkpoint and was cancelled with it.
+    The next run starts it afresh (same seed: ``task.id`` and ``sample_index``), without
+    admission, so that its group is completed rather than left waiting for it forever."""
+
+    task: Task
+    sample_index: int
+    group_id: str
+
+
+def save_jobs(path: str | Path, jobs: list[EpisodeJob]) -> None:
+    """Write ``jobs`` to ``path`` atomically and durably (temp file, fsync, rename)."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.msgpack.encode(jobs))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(out)
+    fsync_path(out.parent)
+
+
+def load_jobs(path: str | Path) -> list[EpisodeJob]:
+    """The jobs ``save_jobs`` wrote; ``ValueError`` naming the file when it is unreadable."""
+    p = Path(path)
+    try:
+        return msgspec.msgpack.decode(p.read_bytes(), type=list[EpisodeJob])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(
+            f"{p} (the samples a stop left unstarted) is unreadable ({exc}); "
+            "it was not written by this agentroll version or is damaged"
+        ) from exc
 
 
 def load_checkpoints(directory: str | Path) -> list[EpisodeCheckpoint]:

@@ -9,7 +9,9 @@ are closed shielded from it; every worker task belongs to the engine's task grou
 the gate, a generation waits in the backend, deadlines exclude paused time; ``checkpoint``
 writes every in-flight episode at a quiescent point so another process can finish it, and
 ``take_undelivered`` hands back every episode that finished but that ``run`` had not yielded
-(its consumer was busy, or the episode waited for its group), so a stop loses none.
+(its consumer was busy, or the episode waited for its group) and ``take_unstarted`` every
+sample of a started group that has neither finished nor a checkpoint, so a stop loses none
+and leaves no group waiting forever for a member nobody runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import msgspec
 
 from agentroll.backends.base import Backend, GenerationRequest, ResumePolicy, SamplingParams
 from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
-from agentroll.checkpoint import EpisodeCheckpoint, EpisodeRun, make_checkpoint
+from agentroll.checkpoint import EpisodeCheckpoint, EpisodeJob, EpisodeRun, make_checkpoint
 from agentroll.env import Environment, EpisodeState, call_hook
 from agentroll.errors import BackendError, ConfigError, GenerationTimeout
 from agentroll.pause import EpisodeView, PauseController, PolicyFn
@@ -147,6 +149,11 @@ class RolloutEngine:
         # finished episodes run() has not yielded yet (in its queue, or waiting for the rest
         # of their group): what a stop must hand back (take_undelivered), by trajectory id
         self._undelivered: dict[str, Trajectory] = {}
+        # every sample of a group run() started (its first sample was admitted) that has not
+        # finished yet, by (group id, sample index); those the last checkpoint() did not
+        # write are what a stop must hand back (take_unstarted)
+        self._owed: dict[tuple[str, int], EpisodeJob] = {}
+        self._checkpointed: set[tuple[str, int]] = set()
         self.pauses = PauseController(backend, self._views)
         self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0}
 
@@ -255,7 +262,9 @@ class RolloutEngine:
         await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
         snapshot = getattr(self.backend, "snapshot", None)
         paths = []
-        for run in list(self._live.values()):
+        runs = list(self._live.values())
+        self._checkpointed = {(run.group_id, run.state.sample_index) for run in runs}
+        for run in runs:
             blob = await run.sandbox.snapshot() if run.sandbox is not None else None
             pending = None
             if run.phase == "generating" and snapshot is not None:
@@ -276,13 +285,32 @@ class RolloutEngine:
         self._undelivered.clear()
         return out
 
+    def take_unstarted(self) -> list[EpisodeJob]:
+        """The samples of groups ``run`` started that neither finished nor were written by
+        the last ``checkpoint``: never started (no worker was free), or started after the
+        checkpoint and cancelled with the loop.  Without them a finished or checkpointed
+        sample of the group would wait for its group forever.  Call it with
+        ``take_undelivered`` (the loop over ``run`` left) and hand them to the next
+        ``run(unstarted=...)``; they are forgotten here."""
+        out = [job for key, job in self._owed.items() if key not in self._checkpointed]
+        self._owed.clear()
+        self._checkpointed = set()
+        return out
+
     # -- running many episodes ------------------------------------------------------------
 
     def _jobs(
-        self, tasks: Iterable[Task], checkpoints: Iterable[EpisodeCheckpoint]
+        self,
+        tasks: Iterable[Task],
+        checkpoints: Iterable[EpisodeCheckpoint],
+        unstarted: Iterable[EpisodeJob],
     ) -> Iterator[tuple[Task, int, str, EpisodeCheckpoint | None]]:
+        """(task, sample index, group id, checkpoint to continue): checkpoints first, then
+        the samples a stop left unstarted, then every task's samples in new groups."""
         for cp in checkpoints:
             yield cp.task, cp.sample_index, cp.group_id, cp
+        for job in unstarted:
+            yield job.task, job.sample_index, job.group_id, None
         for task in tasks:
             if not isinstance(task, Task) or not isinstance(task.id, str):
                 raise ConfigError(f"tasks must be Task objects with a str id, got {task!r:.80}")
@@ -299,6 +327,7 @@ class RolloutEngine:
         total: int | None = None,
         checkpoints: Iterable[EpisodeCheckpoint] = (),
         finished: Iterable[Trajectory] = (),
+        unstarted: Iterable[EpisodeJob] = (),
         admit: Callable[[int], Awaitable[None]] | None = None,
     ) -> AsyncIterator[Trajectory]:
         """Run every task ``samples_per_task`` times; yield trajectories as they finish
@@ -307,9 +336,10 @@ class RolloutEngine:
         ``tasks=[]`` to run only them.  ``finished``: trajectories a stop handed back
         (``take_undelivered``): yielded first, or, with group rewards, they wait for the
         rest of their group (its other samples among ``checkpoints``) and are scored with
-        it.  ``admit(n)`` (admission control, e.g. a staleness bound) is awaited before a
-        new group of ``n`` samples starts; groups are admitted one at a time, in order, and
-        a checkpointed episode needs no admission.
+        it.  ``unstarted``: samples a stop left unstarted (``take_unstarted``), started
+        afresh after the checkpoints.  ``admit(n)`` (admission control, e.g. a staleness
+        bound) is awaited before a new group of ``n`` samples starts; groups are admitted
+        one at a time, in order; a checkpointed or unstarted sample needs no admission.
 
         Leaving the loop early cancels the episodes still running; episodes that finished
         but were not yielded yet stay with ``take_undelivered``.
@@ -318,12 +348,15 @@ class RolloutEngine:
             raise RuntimeError("use `async with RolloutEngine(...) as engine` before run()")
         if tasks is None:
             tasks = self.env.tasks()
-        checkpoints, finished = list(checkpoints), list(finished)
+        checkpoints, finished, unstarted = list(checkpoints), list(finished), list(unstarted)
+        n = self.config.samples_per_task
         if total is None and hasattr(tasks, "__len__"):
-            total = len(tasks) * self.config.samples_per_task  # type: ignore[arg-type]
-            total += len(checkpoints) + len(finished)
-        jobs = self._jobs(tasks, checkpoints)
-        undelivered = self._undelivered
+            total = len(tasks) * n  # type: ignore[arg-type]
+            total += len(checkpoints) + len(finished) + len(unstarted)
+        jobs = self._jobs(tasks, checkpoints, unstarted)
+        undelivered, owed = self._undelivered, self._owed
+        for job in unstarted:
+            owed[job.group_id, job.sample_index] = job
         for traj in finished:
             undelivered[traj.id] = traj
         results: asyncio.Queue[_Outcome | BaseException | None] = asyncio.Queue(
@@ -335,8 +368,14 @@ class RolloutEngine:
         async def next_job() -> tuple[Task, int, str, EpisodeCheckpoint | None] | None:
             async with gate:  # one group is admitted at a time, and whole
                 job = next(jobs, None)
-                if job is not None and admit is not None and job[3] is None and job[1] == 0:
-                    await admit(self.config.samples_per_task)
+                if job is None or job[3] is not None or (job[2], job[1]) in owed:
+                    return job  # continued, or a sample of a group already started
+                # the first sample of a new group: admitted, then the whole group is owed
+                if admit is not None:
+                    await admit(n)
+                task, _, group, _ = job
+                for i in range(n):
+                    owed[group, i] = EpisodeJob(task=task, sample_index=i, group_id=group)
                 return job
 
         async def worker() -> None:
@@ -346,7 +385,9 @@ class RolloutEngine:
                     outcome = await self.run_episode(
                         task, sample_index=index, group_id=group, checkpoint=cp
                     )
-                    undelivered[outcome.trajectory.id] = outcome.trajectory
+                    traj = outcome.trajectory
+                    undelivered[traj.id] = traj
+                    owed.pop((traj.group_id, traj.sample_index), None)
                     await results.put(outcome)
             except asyncio.CancelledError:
                 raise  # the consumer is gone or leaving: nobody waits for a sentinel
@@ -480,12 +521,16 @@ class RolloutEngine:
             error = f"{type(exc).__name__}: {exc}"
             logger.debug("episode %s failed", state.episode_id, exc_info=True)
         finally:
+            # live (and not quiescent) until its sandbox is closed: a stop's checkpoint waits
+            # for it, so that it is handed back finished rather than cancelled in the close
             run.phase = "done"
             self.pauses.untrack(timer)
-            self._live.pop(state.episode_id, None)
             self.backend.end_episode(state.episode_id)
-            if run.sandbox is not None:
-                await close_shielded(run.sandbox)
+            try:
+                if run.sandbox is not None:
+                    await close_shielded(run.sandbox)
+            finally:
+                self._live.pop(state.episode_id, None)
         if traj is None:
             traj = self._build(run)
         if error is not None:  # an exception's text may quote a file name with lone surrogates

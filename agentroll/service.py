@@ -6,9 +6,10 @@ Role: ``RolloutService`` builds the recipe's environment and replicas, runs epis
 a trainer pushes with the recipe's sync strategy and resume policy, while episodes go on.
 Invariants: a group is published only whole; nothing finished is dropped at a stop (in-flight
 episodes are checkpointed; finished members of unfinished groups, and finished episodes the
-engine still held because the producer was busy publishing, are saved beside them; the next
-start continues both); every sync, counter and busy/idle interval is written
-to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
+engine still held because the producer was busy publishing, are saved beside them, and so
+are the samples of started groups that have no episode yet; the next start continues all
+three, so every group it began is published whole); every sync, counter and busy/idle
+interval is written to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ import msgspec
 from agentroll.admission import AdmissionController
 from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
 from agentroll.buffer import BufferConfig
-from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.checkpoint import (
+    EpisodeCheckpoint,
+    EpisodeJob,
+    load_checkpoints,
+    load_jobs,
+    save_jobs,
+)
 from agentroll.env import Environment, load_environment
 from agentroll.errors import ConfigError
 from agentroll.metrics import MetricsWriter
@@ -43,6 +50,7 @@ from agentroll.worker import TrajectoryWriter, read_trajectories
 
 logger = logging.getLogger("agentroll.service")
 FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
+UNSTARTED = "unstarted.msgpack"  # samples of started groups with no episode, saved at a stop
 
 
 def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
@@ -381,29 +389,36 @@ class RolloutService:
         for episode_id in episode_ids:
             shutil.rmtree(self.checkpoint_dir / episode_id, ignore_errors=True)
 
-    def _load_stopped(self) -> tuple[list[EpisodeCheckpoint], list[Trajectory]]:
-        """Checkpoints and finished episodes left by the last stop (members of unfinished
-        groups, and episodes the engine had not handed over yet): ``run(finished=...)``
-        delivers the latter again, or scores them with the rest of their group."""
+    def _load_stopped(
+        self,
+    ) -> tuple[list[EpisodeCheckpoint], list[Trajectory], list[EpisodeJob]]:
+        """Checkpoints, finished episodes (members of unfinished groups, and episodes the
+        engine had not handed over yet) and unstarted samples of started groups, left by the
+        last stop: ``run(finished=...)`` delivers the finished ones again (or scores them
+        with the rest of their group), ``run(unstarted=...)`` starts the unstarted ones."""
+        finished = self.checkpoint_dir / FINISHED
+        unstarted = self.checkpoint_dir / UNSTARTED
         try:
             checkpoints = load_checkpoints(self.checkpoint_dir)
-            finished = self.checkpoint_dir / FINISHED
             stopped = read_trajectories(finished) if finished.is_file() else []
+            jobs = load_jobs(unstarted) if unstarted.is_file() else []
         except ValueError as exc:  # damaged: refuse to start rather than drop episodes
             raise ConfigError(
                 f"cannot continue the stopped run: {exc}; move what is damaged out of "
                 f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
             ) from exc
-        if finished.is_file():
-            finished.unlink()
-        self._restored = len(checkpoints) + len(stopped)
+        for path in (finished, unstarted):
+            if path.is_file():
+                path.unlink()
+        self._restored = len(checkpoints) + len(stopped) + len(jobs)
         self._continued = {cp.episode_id for cp in checkpoints}
-        return checkpoints, stopped
+        return checkpoints, stopped, jobs
 
     async def _checkpoint(self, engine: RolloutEngine, producer: asyncio.Task[None]) -> int:
         """At a stop: episodes in flight to checkpoints; finished episodes not published
         (members of unfinished groups, and ones the engine still held because the producer
-        was busy publishing) to ``FINISHED``."""
+        was busy publishing) to ``FINISHED``; samples of started groups with neither
+        (no worker was free for them yet) to ``UNSTARTED``."""
         await engine.pause()
         paths = await engine.checkpoint(self.checkpoint_dir)
         # leaving the loop over engine.run: what it had not yielded is taken back below (a
@@ -411,6 +426,9 @@ class RolloutService:
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
         pending = [t for g in self._groups.values() for t in g] + engine.take_undelivered()
+        jobs = engine.take_unstarted()
+        if jobs:
+            await asyncio.to_thread(save_jobs, self.checkpoint_dir / UNSTARTED, jobs)
         if pending:
             writer = TrajectoryWriter(self.checkpoint_dir / FINISHED)
             writer.open()
@@ -434,7 +452,7 @@ class RolloutService:
             if recipe.environment.num_tasks is not None:
                 tasks = tasks[: recipe.environment.num_tasks]
         self.backend = build_backend(recipe, self.model_dir)
-        checkpoints, stopped = await asyncio.to_thread(self._load_stopped)
+        checkpoints, stopped, unstarted = await asyncio.to_thread(self._load_stopped)
         self.metrics.event("run", event="start", component=self.metrics.component)
         await self.backend.start()
         checkpointed = 0
@@ -460,6 +478,7 @@ class RolloutService:
                         cycle_tasks(tasks, recipe.run.seed),
                         checkpoints=checkpoints,
                         finished=stopped,
+                        unstarted=unstarted,
                         admit=self._admit,
                     ):
                         await self._publish(traj)

@@ -15,13 +15,15 @@ import msgspec
 import pytest
 import torch
 
+import agentroll.rollout as rollout_module
 from agentroll.backends.base import GenerationChunk, GenerationRequest, SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints, load_jobs, save_jobs
 from agentroll.engine.engine import RequestSnapshot
 from agentroll.env import Environment, Rubric, tool
 from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.sandbox.base import SandboxConfig
 from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import Message, Task, ToolCall, ToolResult, Trajectory, Turn
 from agentroll.validate_checkpoint import (
@@ -512,6 +514,165 @@ async def test_a_group_cut_by_a_stop_is_scored_whole_after_the_restart(
     for t in got + again:
         ref = reference[(t.task_id, t.sample_index)]
         assert same_trajectory(ref, t) and t.rewards == ref.rewards, (t.task_id, t.sample_index)
+
+
+async def test_a_stop_hands_back_the_samples_of_a_started_group_nobody_ran(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """One worker and a consumer busy with the group's first sample: the next two wait in
+    run()'s queue, the fourth in the worker's put, and the fifth never starts.  A stop hands
+    back the three (take_undelivered) and the fifth as an unstarted job (take_unstarted);
+    the next run(unstarted=...) runs only that one, and the group is the one an
+    uninterrupted run makes.  Without it the group would wait forever for its fifth."""
+    task = Task(id="t0", data={"prompt": "0 + 3?"})
+    cfg = RolloutConfig(progress="off", concurrency=1, samples_per_task=5)
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        reference = {t.sample_index: t async for t in engine.run([task])}
+
+    got: list[Trajectory] = []
+    hold = asyncio.Event()
+
+    async def busy_consumer(trajectories: AsyncIterator[Trajectory]) -> None:
+        async for t in trajectories:
+            got.append(t)
+            await hold.wait()
+
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        consumer = asyncio.create_task(busy_consumer(engine.run([task])))
+        async with asyncio.timeout(30):
+            while engine.stats["episodes"] < 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the worker is held in its put: the fifth never starts
+        assert engine.stats["episodes"] == 4 and not engine._live
+        await engine.pause()
+        assert await engine.checkpoint(tmp_path) == []
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        left, jobs = engine.take_undelivered(), engine.take_unstarted()
+        assert engine.take_unstarted() == []
+    assert [t.sample_index for t in got] == [0]
+    assert sorted(t.sample_index for t in left) == [1, 2, 3]
+    assert [(j.task.id, j.sample_index, j.group_id) for j in jobs] == [("t0", 4, got[0].group_id)]
+
+    save_jobs(tmp_path / "unstarted.msgpack", jobs)  # through the on-disk form
+    jobs = load_jobs(tmp_path / "unstarted.msgpack")
+    fresh = MockBackend(SCRIPT, tokenizer=tok, record=True)
+    async with RolloutEngine(fresh, Tools(), cfg) as engine:
+        again = [t async for t in engine.run([], finished=left, unstarted=jobs)]
+    assert sorted(t.sample_index for t in again) == [1, 2, 3, 4]
+    [fifth] = [t for t in again if t.sample_index == 4]
+    assert fresh.requests and {r.episode_id for r in fresh.requests} == {fifth.id}
+    assert {t.group_id for t in got + again} == {got[0].group_id}
+    for t in got + again:
+        assert same_trajectory(reference[t.sample_index], t), t.sample_index
+
+
+async def test_a_sample_started_after_the_stops_checkpoint_is_handed_back(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """A group admitted while the engine is paused for a stop, after its checkpoint was
+    written: its first sample starts (and waits at the turn gate), the checkpoint does not
+    have it, and leaving the loop cancels it.  Both samples are handed back as unstarted,
+    and a restart with admission control does not admit them a second time."""
+    cfg = RolloutConfig(progress="off", concurrency=1, samples_per_task=2)
+    admitted = asyncio.Event()
+    release = asyncio.Event()
+
+    async def admit(n: int) -> None:
+        await release.wait()
+        admitted.set()
+
+    async def consume(trajectories: AsyncIterator[Trajectory]) -> None:
+        async for _ in trajectories:
+            raise AssertionError("nothing can finish while paused")
+
+    task = Task(id="t0", data={"prompt": "0 + 3?"})
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        consumer = asyncio.create_task(consume(engine.run([task], admit=admit)))
+        await engine.pause()
+        assert await engine.checkpoint(tmp_path) == []
+        release.set()
+        await asyncio.wait_for(admitted.wait(), 30)
+        await asyncio.sleep(0.05)
+        assert len(engine._live) == 1  # started after the checkpoint, held at the gate
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        assert engine.take_undelivered() == []
+        jobs = engine.take_unstarted()
+    assert sorted(j.sample_index for j in jobs) == [0, 1]
+
+    calls: list[int] = []
+
+    async def counting(n: int) -> None:
+        calls.append(n)
+
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), Tools(), cfg) as engine:
+        got = [t async for t in engine.run([], unstarted=jobs, admit=counting)]
+    assert sorted(t.sample_index for t in got) == [0, 1] and calls == []
+    assert {t.group_id for t in got} == {jobs[0].group_id}
+
+
+class SandboxedTools(Tools):
+    sandbox_config = SandboxConfig(timeout=5.0)
+
+
+async def test_an_episode_closing_its_sandbox_at_a_stop_is_handed_back_finished(
+    tok: ChatTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An episode that has finished and is closing its sandbox is neither at a quiescent
+    point nor handed over yet: the stop's checkpoint waits for the close, so the episode
+    reaches the consumer or take_undelivered instead of being cancelled in its close (which
+    lost it, and stranded the rest of its group)."""
+    closing, let_go = asyncio.Event(), asyncio.Event()
+    real_open = rollout_module.open_sandbox
+
+    def slow_close(config: SandboxConfig, **kwargs: Any) -> Any:
+        sandbox = real_open(config, **kwargs)
+        real_close = sandbox.close
+
+        async def close() -> None:
+            closing.set()
+            await let_go.wait()
+            await real_close()
+
+        sandbox.close = close  # type: ignore[method-assign]
+        return sandbox
+
+    monkeypatch.setattr(rollout_module, "open_sandbox", slow_close)
+    got: list[Trajectory] = []
+
+    async def consume(trajectories: AsyncIterator[Trajectory]) -> None:
+        async for t in trajectories:
+            got.append(t)
+
+    task = Task(id="t0", data={"prompt": "0 + 3?"})
+    cfg = RolloutConfig(progress="off", concurrency=1)
+    async with RolloutEngine(MockBackend(SCRIPT, tokenizer=tok), SandboxedTools(), cfg) as engine:
+        consumer = asyncio.create_task(consume(engine.run([task])))
+        await asyncio.wait_for(closing.wait(), 30)
+
+        async def stop() -> list[Path]:
+            await engine.pause()
+            return await engine.checkpoint(tmp_path)
+
+        stopping = asyncio.create_task(stop())
+        await asyncio.sleep(0.1)
+        waited = not stopping.done()  # for the close
+        let_go.set()
+        assert waited, "the checkpoint did not wait for the episode closing its sandbox"
+        assert await asyncio.wait_for(stopping, 30) == []
+        consumer.cancel()
+        await asyncio.wait({consumer})
+        left = engine.take_undelivered()
+        assert engine.take_unstarted() == []
+    assert [t.task_id for t in got + left] == ["t0"] and (got + left)[0].status == "ok"
+
+
+def test_unstarted_jobs_that_cannot_be_read_are_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "unstarted.msgpack"
+    path.write_bytes(b"\x91\x01")
+    with pytest.raises(ValueError, match=r"unstarted\.msgpack.*unreadable"):
+        load_jobs(path)
 
 
 async def test_a_checkpoint_of_another_environment_fails_its_episode(

@@ -52,6 +52,27 @@ def test_a_damaged_checkpoint_stops_the_start_with_what_to_do(tmp_path: Path) ->
         service._load_stopped()
 
 
+def test_the_samples_a_stop_left_unstarted_are_loaded_once_and_counted(tmp_path: Path) -> None:
+    """UNSTARTED (samples of started groups with no episode) is read at the start, counted
+    as outstanding (admission), handed to run(unstarted=...) and removed; damaged, it stops
+    the start like a damaged checkpoint."""
+    from agentroll.checkpoint import EpisodeJob, save_jobs
+    from agentroll.errors import ConfigError
+    from agentroll.service import UNSTARTED
+
+    cp_dir = tmp_path / "checkpoints"
+    cp_dir.mkdir()
+    jobs = [EpisodeJob(task=Task(id="t", data={"a": 1}), sample_index=1, group_id="g")]
+    save_jobs(cp_dir / UNSTARTED, jobs)
+    service = RolloutService(parse_recipe(HEAD), model_dir=tmp_path, run_dir=tmp_path)
+    assert service._load_stopped() == ([], [], jobs)
+    assert service._restored == 1 and not (cp_dir / UNSTARTED).exists()
+
+    (cp_dir / UNSTARTED).write_bytes(b"\xc1")
+    with pytest.raises(ConfigError, match=r"unstarted\.msgpack.*move what is damaged out of"):
+        service._load_stopped()
+
+
 async def _serve(recipe: Recipe, model: Path, run_dir: Path) -> tuple[Any, asyncio.Event, str]:
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
