@@ -8,8 +8,10 @@ Invariants: a group is published only whole; nothing finished is dropped at a st
 episodes are checkpointed; finished members of unfinished groups, and finished episodes the
 engine still held because the producer was busy publishing, are saved beside them, and so
 are the samples of started groups that have no episode yet; the next start continues all
-three, so every group it began is published whole); every sync, counter and busy/idle
-interval is written to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
+three, so every group it began is published whole, and keeps the saved files until those
+groups are durable in the spool, skipping at a later start what a killed run published of
+them); every sync, counter and busy/idle interval is written to
+``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
 """
 
 from __future__ import annotations
@@ -241,6 +243,8 @@ class RolloutService:
         self._consumed_at_known = 0
         self._restored = 0
         self._continued: set[str] = set()  # episodes continued from a checkpoint directory
+        # groups with members in FINISHED / UNSTARTED: the files stay until all are published
+        self._stop_groups: set[str] = set()
         self.engine: RolloutEngine | None = None
         self.counters = {
             "syncs": 0,
@@ -384,10 +388,18 @@ class RolloutService:
             # shielded: a stop that cancels this publisher leaves no published episode's
             # checkpoint behind (the next start would continue it a second time)
             await asyncio.shield(asyncio.to_thread(self._remove_checkpoints, done))
+        if traj.group_id in self._stop_groups:
+            self._stop_groups.discard(traj.group_id)
+            if not self._stop_groups:  # every group the last stop saved is durable
+                await asyncio.shield(asyncio.to_thread(self._remove_stop_files))
 
     def _remove_checkpoints(self, episode_ids: list[str]) -> None:
         for episode_id in episode_ids:
             shutil.rmtree(self.checkpoint_dir / episode_id, ignore_errors=True)
+
+    def _remove_stop_files(self) -> None:
+        for name in (FINISHED, UNSTARTED):
+            (self.checkpoint_dir / name).unlink(missing_ok=True)
 
     def _load_stopped(
         self,
@@ -395,7 +407,9 @@ class RolloutService:
         """Checkpoints, finished episodes (members of unfinished groups, and episodes the
         engine had not handed over yet) and unstarted samples of started groups, left by the
         last stop: ``run(finished=...)`` delivers the finished ones again (or scores them
-        with the rest of their group), ``run(unstarted=...)`` starts the unstarted ones."""
+        with the rest of their group), ``run(unstarted=...)`` starts the unstarted ones.
+        The files stay until every group they hold is published (a kill before then finds
+        them again); ``_skip_published`` then drops what a killed run had published."""
         finished = self.checkpoint_dir / FINISHED
         unstarted = self.checkpoint_dir / UNSTARTED
         try:
@@ -407,12 +421,39 @@ class RolloutService:
                 f"cannot continue the stopped run: {exc}; move what is damaged out of "
                 f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
             ) from exc
-        for path in (finished, unstarted):
-            if path.is_file():
-                path.unlink()
         self._restored = len(checkpoints) + len(stopped) + len(jobs)
         self._continued = {cp.episode_id for cp in checkpoints}
+        self._stop_groups = {t.group_id for t in stopped} | {j.group_id for j in jobs}
         return checkpoints, stopped, jobs
+
+    def _skip_published(
+        self,
+        checkpoints: list[EpisodeCheckpoint],
+        stopped: list[Trajectory],
+        jobs: list[EpisodeJob],
+    ) -> tuple[list[EpisodeCheckpoint], list[Trajectory], list[EpisodeJob]]:
+        """With the spool restored: the groups a killed run published (a member is pending
+        in the spool) before it removed what the last stop saved of them are neither run
+        nor delivered again; their leftover checkpoints are removed.  (A group the trainer
+        had also acknowledged by then is not in the spool any more and is delivered again:
+        the window is the removal right after its publish.)"""
+        assert self.stream is not None
+        spool = self.stream.spool
+        done = {cp.group_id for cp in checkpoints if cp.episode_id in spool}
+        done |= {t.group_id for t in stopped if t.id in spool}
+        if not done:
+            return checkpoints, stopped, jobs
+        self._remove_checkpoints([cp.episode_id for cp in checkpoints if cp.group_id in done])
+        keep_cps = [cp for cp in checkpoints if cp.group_id not in done]
+        keep_stopped = [t for t in stopped if t.group_id not in done]
+        keep_jobs = [j for j in jobs if j.group_id not in done]
+        self._restored = len(keep_cps) + len(keep_stopped) + len(keep_jobs)
+        self._continued = {cp.episode_id for cp in keep_cps}
+        self._stop_groups -= done
+        if not self._stop_groups:
+            self._remove_stop_files()
+        logger.info("skipping %d groups the last run published before it was killed", len(done))
+        return keep_cps, keep_stopped, keep_jobs
 
     async def _checkpoint(self, engine: RolloutEngine, producer: asyncio.Task[None]) -> int:
         """At a stop: episodes in flight to checkpoints; finished episodes not published
@@ -427,17 +468,32 @@ class RolloutService:
         await asyncio.gather(producer, return_exceptions=True)
         pending = [t for g in self._groups.values() for t in g] + engine.take_undelivered()
         jobs = engine.take_unstarted()
-        if jobs:
-            await asyncio.to_thread(save_jobs, self.checkpoint_dir / UNSTARTED, jobs)
-        if pending:
-            writer = TrajectoryWriter(self.checkpoint_dir / FINISHED)
-            writer.open()
-            try:
-                for t in pending:
-                    writer.write(t)
-            finally:
-                writer.close()
+        # what the last stop saved and is not published yet is among these again (the
+        # engine held it): the files are replaced
+        await asyncio.to_thread(self._save_stopped, pending, jobs)
         return len(paths)
+
+    def _save_stopped(self, pending: list[Trajectory], jobs: list[EpisodeJob]) -> None:
+        """Write (or remove) UNSTARTED and FINISHED, each replaced atomically."""
+        path = self.checkpoint_dir / UNSTARTED
+        if jobs:
+            save_jobs(path, jobs)
+        else:
+            path.unlink(missing_ok=True)
+        path = self.checkpoint_dir / FINISHED
+        if not pending:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same format
+        tmp.unlink(missing_ok=True)
+        writer = TrajectoryWriter(tmp)
+        writer.open()
+        try:
+            for t in pending:
+                writer.write(t)
+        finally:
+            writer.close()
+        tmp.replace(path)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -468,6 +524,9 @@ class RolloutService:
                 RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
             ):
                 self.engine = engine
+                checkpoints, stopped, unstarted = self._skip_published(
+                    checkpoints, stopped, unstarted
+                )
                 self._restored += self.stream.counters["restored"]
                 if ready is not None:
                     ready(url)

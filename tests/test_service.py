@@ -52,21 +52,55 @@ def test_a_damaged_checkpoint_stops_the_start_with_what_to_do(tmp_path: Path) ->
         service._load_stopped()
 
 
-def test_the_samples_a_stop_left_unstarted_are_loaded_once_and_counted(tmp_path: Path) -> None:
-    """UNSTARTED (samples of started groups with no episode) is read at the start, counted
-    as outstanding (admission), handed to run(unstarted=...) and removed; damaged, it stops
-    the start like a damaged checkpoint."""
+async def test_what_a_stop_saved_stays_until_published_and_is_not_published_twice(
+    tmp_path: Path,
+) -> None:
+    """FINISHED and UNSTARTED (what a stop saved beside the checkpoints) are read at the
+    start and kept until every group they hold is published, so a kill before then loses
+    none of them; what a killed run had published already (pending in the spool) is
+    neither delivered nor run again at the next start."""
+    import msgspec
+
+    from agentroll.bench_stream import synthetic_trajectory
     from agentroll.checkpoint import EpisodeJob, save_jobs
     from agentroll.errors import ConfigError
-    from agentroll.service import UNSTARTED
+    from agentroll.service import FINISHED, UNSTARTED
+    from agentroll.worker import TrajectoryWriter
 
+    def member(group: str, index: int) -> Trajectory:
+        t = synthetic_trajectory(hash((group, index)) % 1000, 64, turns=2)
+        return msgspec.structs.replace(t, id=f"{group}-{index}", group_id=group, sample_index=index)
+
+    def job(group: str, index: int) -> EpisodeJob:
+        return EpisodeJob(task=Task(id=group), sample_index=index, group_id=group)
+
+    recipe = parse_recipe(HEAD + "[rollout]\nsamples_per_task = 2\n")
+    service = RolloutService(recipe, model_dir=tmp_path, run_dir=tmp_path)
     cp_dir = tmp_path / "checkpoints"
-    cp_dir.mkdir()
-    jobs = [EpisodeJob(task=Task(id="t", data={"a": 1}), sample_index=1, group_id="g")]
+    # the stop saved "a" and "b" (finished first samples) and their second samples, unstarted
+    writer = TrajectoryWriter(cp_dir / FINISHED)
+    writer.open()
+    for t in (member("a", 0), member("b", 0)):
+        writer.write(t)
+    writer.close()
+    jobs = [job("a", 1), job("b", 1)]
     save_jobs(cp_dir / UNSTARTED, jobs)
-    service = RolloutService(parse_recipe(HEAD), model_dir=tmp_path, run_dir=tmp_path)
-    assert service._load_stopped() == ([], [], jobs)
-    assert service._restored == 1 and not (cp_dir / UNSTARTED).exists()
+    # the next run published group "a" and was killed before it removed the files
+    async with TrajectoryStream(service.spool_dir, service.stream_config) as stream:
+        await stream.publish([member("a", 0), member("a", 1)])
+
+    checkpoints, stopped, loaded = service._load_stopped()
+    assert [t.id for t in stopped] == ["a-0", "b-0"] and loaded == jobs
+    assert service._restored == 4 and (cp_dir / FINISHED).exists()
+    async with TrajectoryStream(service.spool_dir, service.stream_config) as stream:
+        service.stream = stream
+        checkpoints, stopped, loaded = service._skip_published(checkpoints, stopped, loaded)
+        assert [t.id for t in stopped] == ["b-0"] and loaded == [job("b", 1)]
+        assert service._restored == 2 and service._stop_groups == {"b"}
+        await service._publish(member("b", 0))
+        assert (cp_dir / FINISHED).exists() and (cp_dir / UNSTARTED).exists()
+        await service._publish(member("b", 1))  # the last group the stop saved: durable
+        assert not (cp_dir / FINISHED).exists() and not (cp_dir / UNSTARTED).exists()
 
     (cp_dir / UNSTARTED).write_bytes(b"\xc1")
     with pytest.raises(ConfigError, match=r"unstarted\.msgpack.*move what is damaged out of"):
