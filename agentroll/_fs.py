@@ -3,6 +3,7 @@ snapshots, the spool, weight directories, model directories).
 
 Invariant: ``atomic_dir`` either leaves the complete new directory at ``path`` (replacing
 an older one) or leaves ``path`` as it was; its temporary directory never survives.
+``atomic_file`` is the same for one file, and durable: the file and the rename are fsync'd.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``, with the same suffix (a format chosen by the
+    name holds); once the body has written it, it is fsync'd, renamed over ``path`` and the
+    directory fsync'd.  On error ``path`` is left as it was and the temporary file removed."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.stem}.tmp{os.getpid()}{out.suffix}")
+    tmp.unlink(missing_ok=True)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        tmp.replace(out)
+        fsync_path(out.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fsync_path(path: str | Path) -> None:

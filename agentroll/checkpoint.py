@@ -18,7 +18,6 @@ state beyond the seed and the token count (it is counter-based).
 
 from __future__ import annotations
 
-import os
 import time
 from array import array
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import numpy as np
 
-from agentroll._fs import atomic_dir, fsync_path
+from agentroll._fs import atomic_dir, atomic_file
 from agentroll.backends.base import SamplingParams
 from agentroll.trajectory_builder import TrajectoryBuilder
 from agentroll.types import Message, Status, Task, Turn
@@ -200,15 +199,9 @@ class EpisodeJob(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def save_jobs(path: str | Path, jobs: list[EpisodeJob]) -> None:
-    """Write ``jobs`` to ``path`` atomically and durably (temp file, fsync, rename)."""
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.msgpack.encode(jobs))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(out)
-    fsync_path(out.parent)
+    """Write ``jobs`` to ``path`` atomically and durably."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(msgspec.msgpack.encode(jobs))
 
 
 def load_jobs(path: str | Path) -> list[EpisodeJob]:

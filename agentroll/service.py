@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from agentroll._fs import atomic_file
 from agentroll.admission import AdmissionController
 from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
 from agentroll.buffer import BufferConfig
@@ -421,10 +422,21 @@ class RolloutService:
                 f"cannot continue the stopped run: {exc}; move what is damaged out of "
                 f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
             ) from exc
+        self._track_stopped(checkpoints, stopped, jobs)
+        return checkpoints, stopped, jobs
+
+    def _track_stopped(
+        self,
+        checkpoints: list[EpisodeCheckpoint],
+        stopped: list[Trajectory],
+        jobs: list[EpisodeJob],
+    ) -> None:
+        """What the service derives from the stopped run it continues: the count admission
+        treats as outstanding, the checkpoints to remove once published, the groups that
+        keep the stop's files."""
         self._restored = len(checkpoints) + len(stopped) + len(jobs)
         self._continued = {cp.episode_id for cp in checkpoints}
         self._stop_groups = {t.group_id for t in stopped} | {j.group_id for j in jobs}
-        return checkpoints, stopped, jobs
 
     def _skip_published(
         self,
@@ -447,9 +459,7 @@ class RolloutService:
         keep_cps = [cp for cp in checkpoints if cp.group_id not in done]
         keep_stopped = [t for t in stopped if t.group_id not in done]
         keep_jobs = [j for j in jobs if j.group_id not in done]
-        self._restored = len(keep_cps) + len(keep_stopped) + len(keep_jobs)
-        self._continued = {cp.episode_id for cp in keep_cps}
-        self._stop_groups -= done
+        self._track_stopped(keep_cps, keep_stopped, keep_jobs)
         if not self._stop_groups:
             self._remove_stop_files()
         logger.info("skipping %d groups the last run published before it was killed", len(done))
@@ -484,16 +494,14 @@ class RolloutService:
         if not pending:
             path.unlink(missing_ok=True)
             return
-        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")  # same format
-        tmp.unlink(missing_ok=True)
-        writer = TrajectoryWriter(tmp)
-        writer.open()
-        try:
-            for t in pending:
-                writer.write(t)
-        finally:
-            writer.close()
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            writer = TrajectoryWriter(tmp)
+            writer.open()
+            try:
+                for t in pending:
+                    writer.write(t)
+            finally:
+                writer.close()
 
     # -- the loop ----------------------------------------------------------------------------
 

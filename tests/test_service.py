@@ -59,6 +59,8 @@ async def test_what_a_stop_saved_stays_until_published_and_is_not_published_twic
     start and kept until every group they hold is published, so a kill before then loses
     none of them; what a killed run had published already (pending in the spool) is
     neither delivered nor run again at the next start."""
+    from types import SimpleNamespace
+
     import msgspec
 
     from agentroll.bench_stream import synthetic_trajectory
@@ -94,7 +96,13 @@ async def test_what_a_stop_saved_stays_until_published_and_is_not_published_twic
     assert service._restored == 4 and (cp_dir / FINISHED).exists()
     async with TrajectoryStream(service.spool_dir, service.stream_config) as stream:
         service.stream = stream
-        checkpoints, stopped, loaded = service._skip_published(checkpoints, stopped, loaded)
+        # a checkpoint of group "a" the killed run continued and published but did not remove
+        leftover: Any = SimpleNamespace(episode_id="a-1", group_id="a")  # what it reads
+        (cp_dir / "a-1").mkdir()
+        checkpoints, stopped, loaded = service._skip_published(
+            [*checkpoints, leftover], stopped, loaded
+        )
+        assert checkpoints == [] and not (cp_dir / "a-1").exists()
         assert [t.id for t in stopped] == ["b-0"] and loaded == [job("b", 1)]
         assert service._restored == 2 and service._stop_groups == {"b"}
         await service._publish(member("b", 0))
