@@ -80,6 +80,14 @@ def _build_parser() -> argparse.ArgumentParser:
     bst.add_argument("--trajectories", type=int, default=20_000)
     bst.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
 
+    from agentroll.bench_chaos import add_cli_args as add_chaos_args
+
+    add_chaos_args(
+        bsub.add_parser(
+            "chaos", help="SIGKILL a served worker at random moments: lost / duplicated / split"
+        )
+    )
+
     bsb = bsub.add_parser(
         "sandbox", help="sandbox acquire / cold start / exec latency vs `docker exec` (or sh)"
     )
@@ -135,7 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("envs", help="list the built-in environments")
 
-    sbx = sub.add_parser("sandbox", help="docker sandbox housekeeping")
+    sbx = sub.add_parser("sandbox", help="sandbox audit and docker sandbox housekeeping")
     sbsub = sbx.add_subparsers(dest="sandbox_command", required=True)
     for name, text in (
         ("ls", "list agentroll's containers at the daemon"),
@@ -143,6 +151,12 @@ def _build_parser() -> argparse.ArgumentParser:
     ):
         sp = sbsub.add_parser(name, help=text)
         sp.add_argument("--docker-host", default=None, help="daemon URL (default: $DOCKER_HOST)")
+    aud = sbsub.add_parser(
+        "audit", help="escape and limit probes inside a sandbox (one status line per probe)"
+    )
+    aud.add_argument("--backend", default="local", choices=["local", "docker"])
+    aud.add_argument("--docker-host", default=None, help="daemon URL (default: $DOCKER_HOST)")
+    aud.add_argument("--probe", action="append", default=None, help="run only this probe")
 
     run = sub.add_parser("run", help="run a recipe end to end (rollout worker + trainer)")
     run.add_argument("recipe", metavar="RECIPE", help="recipe TOML file")
@@ -252,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.trajectories < 1 or args.tokens < 9:
                 raise SystemExit("--trajectories must be >= 1 and --tokens >= 9")
             main_stream(args.trajectories, args.tokens)
+        elif args.command == "bench" and args.bench == "chaos":
+            from agentroll.bench_chaos import main as main_chaos
+
+            return main_chaos(args)
         elif args.command == "bench" and args.bench == "sandbox":
             from agentroll.bench_sandbox import main_sandbox
 
@@ -282,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                 heads=args.hidden // 64,
             )
             print(f"wrote {out}")
+        elif args.command == "sandbox" and args.sandbox_command == "audit":
+            from agentroll.sandbox.audit import main_audit
+
+            return main_audit(args.backend, docker_host=args.docker_host, probes=args.probe)
         elif args.command == "sandbox":
             from agentroll.sandbox import docker as docker_sandbox
 

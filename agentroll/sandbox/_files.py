@@ -14,6 +14,8 @@ owner, is never touched.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import io
 import logging
@@ -75,12 +77,43 @@ def reap_workdirs(
         if owner is None or not entry.is_dir(follow_symlinks=False) or alive(*owner):
             continue
         try:
+            unmount(Path(entry.path))
             _rmtree(Path(entry.path))
         except OSError as exc:  # another process reaping the same directory, or not ours
             log.debug("could not reap %s: %s", entry.path, exc)
             continue
         removed.append(Path(entry.path))
     return removed
+
+
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def mount_tmpfs(path: Path, *, size_bytes: int, mode: int = 0o711) -> None:
+    """Mount a tmpfs of ``size_bytes`` on ``path`` (root-owned, ``mode``, nosuid, nodev).
+    Needs root (CAP_SYS_ADMIN); raises ``OSError`` otherwise."""
+    opts = f"size={size_bytes},mode={mode:o},uid=0,gid=0".encode()
+    if _c().mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount tmpfs on {path}: {os.strerror(code)}")
+
+
+def unmount(path: Path) -> None:
+    """Detach a mount on ``path`` if there is one (lazily: busy files keep it alive)."""
+    if not os.path.ismount(path):
+        return
+    if _c().umount2(str(path).encode(), _MNT_DETACH) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOENT):
+            raise OSError(code, f"umount {path}: {os.strerror(code)}")
 
 
 def _make_workdir(make_tmp: bool) -> Path:

@@ -20,16 +20,26 @@ DEFAULT_MAX_OUTPUT = 64 * 1024
 
 
 class SandboxConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """Static sandbox limits.  ``backend`` is ``local`` or ``docker``."""
+    """Static sandbox limits.  ``backend`` is ``local`` or ``docker``.
+
+    Totals are per sandbox (all its processes together, enforced by cgroups where the host
+    offers them): ``memory_mb``, ``pids``, ``cpus``.  Storage is size-capped: ``tmp_mb``
+    for ``/tmp``, ``disk_mb`` for the working directory.  Per-process rlimits
+    (``cpu_seconds``, ``file_size_mb``, ``open_files``) apply to every process besides.  A
+    limit a host cannot enforce is named in a warning when the sandbox starts.
+    """
 
     backend: str = "local"
     timeout: float = 30.0  # default wall-clock limit of one exec, seconds
     max_output: int = DEFAULT_MAX_OUTPUT  # bytes kept per stream
-    cpu_seconds: int = 60  # RLIMIT_CPU of one exec
-    memory_mb: int = 1024  # RLIMIT_AS of one exec
+    cpu_seconds: int = 60  # RLIMIT_CPU of each process
+    memory_mb: int = 1024  # memory of the whole sandbox (and RLIMIT_AS of each process)
+    pids: int = 256  # processes and threads of the whole sandbox
+    cpus: float = 1.0  # CPU time of the whole sandbox, in cores
+    tmp_mb: int = 256  # size of /tmp (RAM-backed, counted in memory_mb where cgroups work)
+    disk_mb: int = 1024  # size of the working directory
     file_size_mb: int = 64  # RLIMIT_FSIZE
     open_files: int = 256  # RLIMIT_NOFILE
-    max_processes: int = 0  # RLIMIT_NPROC; 0 leaves it alone (it counts per user)
     network: bool = False
     use_bwrap: bool | None = None  # None: use bubblewrap when it works here
     image: str | None = None  # docker only
@@ -40,10 +50,22 @@ class SandboxConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"sandbox backend {self.backend!r} is unknown; use 'local' or 'docker'"
             )
-        if not self.timeout > 0:  # NaN too
-            raise ValueError("sandbox timeout must be > 0 seconds")
-        if self.max_output < 256:
-            raise ValueError("sandbox max_output must be at least 256 bytes")
+        _check("timeout", self.timeout, 0.001, 86400.0, "seconds")
+        _check("max_output", self.max_output, 256, 1 << 30, "bytes")
+        _check("cpu_seconds", self.cpu_seconds, 1, 86400, "seconds")
+        _check("memory_mb", self.memory_mb, 16, 1 << 20, "MiB")
+        _check("pids", self.pids, 8, 1 << 22, "processes")
+        _check("cpus", self.cpus, 0.01, 1024.0, "cores")
+        _check("tmp_mb", self.tmp_mb, 1, 1 << 20, "MiB")
+        _check("disk_mb", self.disk_mb, 1, 1 << 24, "MiB")
+        _check("file_size_mb", self.file_size_mb, 1, 1 << 24, "MiB")
+        _check("open_files", self.open_files, 16, 1 << 20, "files")
+
+
+def _check(name: str, value: float, low: float, high: float, unit: str) -> None:
+    # `not low <= value <= high` also refuses NaN; bool is an int but never a limit.
+    if isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"sandbox.{name} = {value!r} is out of range; use {low}..{high} {unit}")
 
 
 class Sandbox(abc.ABC):

@@ -157,6 +157,7 @@ async def test_timeout_kills_the_whole_group(sb: LocalSandbox) -> None:
 async def test_cancellation_kills_the_whole_group(sb: LocalSandbox) -> None:
     token = unique_sleep()
     os.mkfifo(sb.workdir / "ready")
+    os.chmod(sb.workdir / "ready", 0o666)  # commands run as the sandbox's uid, not ours
     task = asyncio.create_task(sb.exec(f"sleep {token} & echo $$ > ready; sleep {token}"))
     pid = int(await read_fifo(sb.workdir / "ready"))
     assert live_pids(token=token)
@@ -339,11 +340,12 @@ async def test_close_is_idempotent_removes_the_dir_and_kills_commands() -> None:
     workdir = sandbox.workdir
     token = unique_sleep()
     os.mkfifo(workdir / "ready")
+    os.chmod(workdir / "ready", 0o666)  # commands run as the sandbox's uid, not ours
     running = asyncio.create_task(sandbox.exec(f"echo go > ready; sleep {token}", timeout=60))
     assert await read_fifo(workdir / "ready") == "go\n"
     await sandbox.close()
     await sandbox.close()
-    assert not workdir.exists()
+    assert not workdir.exists() and not workdir.parent.exists()
     r = await asyncio.wait_for(running, 2)
     assert r.exit_code == -9 and not r.timed_out
     with pytest.raises(SandboxError, match="closed"):
