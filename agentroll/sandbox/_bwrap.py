@@ -11,6 +11,7 @@ network (unless asked), IPC, UTS or cgroup namespace of the host.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 SANDBOX_UID = 1000  # the uid (and gid) a command has inside its user namespace
@@ -40,12 +41,44 @@ _ETC_FILES = (
 )
 
 
-def passwd_lines(home: str) -> tuple[str, str]:
+def passwd_lines(home: str = "/tmp") -> tuple[str, str]:
     """The synthetic ``/etc/passwd`` and ``/etc/group`` a command sees."""
     u = SANDBOX_UID
     passwd = f"root:x:0:0::/nonexistent:/usr/sbin/nologin\nsandbox:x:{u}:{u}::{home}:/bin/sh\n"
     group = f"root:x:0:\nsandbox:x:{u}:\n"
     return passwd, group
+
+
+def make_etc(target: Path, host_root: Path = Path("/")) -> None:
+    """Fill ``target`` with the sandbox's ``/etc``: copies of the host's non-secret files
+    (links kept as links) and the synthetic passwd/group.  One bind of this directory costs
+    less per exec than a bind per file.  Blocking."""
+    for name in _ETC_FILES:
+        src = host_root / "etc" / name
+        dst = target / name
+        if not src.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        elif src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        else:
+            shutil.copy2(src, dst)
+    resolv = host_root / "etc" / "resolv.conf"
+    if resolv.is_file():  # its content: the link may point into /run, which is not bound
+        shutil.copyfile(resolv, target / "resolv.conf")
+    passwd, group = passwd_lines()
+    (target / "passwd").write_text(passwd)
+    (target / "group").write_text(group)
+    for root, dirs, files in os.walk(target):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o644)
+    os.chmod(target, 0o755)
 
 
 def bwrap_argv(
@@ -60,8 +93,8 @@ def bwrap_argv(
 ) -> list[str]:
     """The ``bwrap ... --`` prefix that runs a command in ``run_dir`` inside the sandbox.
 
-    ``etc_dir`` holds the synthetic ``passwd`` and ``group``; ``host_root`` is where the
-    host's system directories are looked up (a test may point it at a fake tree).
+    ``etc_dir`` is the sandbox's ``/etc`` (``make_etc``); ``host_root`` is where the host's
+    system directories are looked up (a test may point it at a fake tree).
     """
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns"]
     if network:
@@ -74,15 +107,7 @@ def bwrap_argv(
             args += ["--symlink", os.readlink(path), f"/{name}"]
         elif path.is_dir():
             args += ["--ro-bind", str(path), f"/{name}"]
-    for name in _ETC_FILES:
-        if (host_root / "etc" / name).exists():
-            args += ["--ro-bind", str(host_root / "etc" / name), f"/etc/{name}"]
-    if network:
-        resolv = host_root / "etc" / "resolv.conf"
-        if resolv.exists():
-            args += ["--ro-bind", str(resolv.resolve()), "/etc/resolv.conf"]
-    args += ["--ro-bind", str(etc_dir / "passwd"), "/etc/passwd"]
-    args += ["--ro-bind", str(etc_dir / "group"), "/etc/group"]
+    args += ["--ro-bind", str(etc_dir), "/etc"]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
     args += ["--bind", str(workdir), str(workdir), "--chdir", str(run_dir)]

@@ -44,6 +44,11 @@ class Cgroups:
     def _pids_dir(self) -> Path:
         return self.dirs["unified" if self.version == 2 else "pids"]
 
+    @property
+    def joins(self) -> list[Path]:
+        """The ``cgroup.procs`` files that put a process in the sandbox's groups."""
+        return [d / "cgroup.procs" for d in self.dirs.values()]
+
     def exec_group(self, n: int) -> tuple[Path, list[Path]]:
         """Create exec ``n``'s child group; returns it and the ``cgroup.procs`` files to join."""
         child = self._pids_dir / f"exec-{n}"

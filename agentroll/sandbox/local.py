@@ -14,6 +14,7 @@ outside the working directory.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -29,10 +30,11 @@ from pathlib import Path
 
 from agentroll.errors import SandboxError
 from agentroll.sandbox import _cgroup
-from agentroll.sandbox._bwrap import bwrap_argv, passwd_lines
+from agentroll.sandbox._bwrap import bwrap_argv, make_etc
 from agentroll.sandbox._files import (
     _HOST_TAG,
     _TMP_DIRNAME,
+    _WORKDIR_PREFIX,
     _make_workdir,
     _owner_tag,
     _pack,
@@ -150,7 +152,7 @@ def _probe_bwrap() -> bool:
             _bwrap_exe,
             workdir=root / "work",
             run_dir=root / "work",
-            etc_dir=root / "etc",
+            etc_dir=_etc_dir(),
             tmp_bytes=_MIB,
             network=False,
         )
@@ -200,26 +202,32 @@ def _drop_privileges(uid: int | None) -> list[str]:
 
 
 def _layout(root: Path, uid: int | None, *, isolated: bool) -> None:
-    """The sandbox's directory: ``work`` (the command's, owned by ``uid``) and ``etc``
-    (the synthetic passwd/group bubblewrap binds read-only, owned by us)."""
+    """The sandbox's directory holds ``work``, the command's (owned by ``uid``); the root
+    stays ours (0711: passable, not writable), so a command running on the host (no
+    bubblewrap) cannot swap ``work`` for a link."""
     work = root / "work"
     work.mkdir()
     if not isolated:
         (work / _TMP_DIRNAME).mkdir()
-    # The root stays ours (0711: passable, not writable), so a command running on the host
-    # (no bubblewrap) cannot swap ``work`` or ``etc`` for links.
     os.chmod(root, 0o711)
     if uid is not None:
         for path in (work, *([] if isolated else [work / _TMP_DIRNAME])):
             os.chown(path, uid, uid)
-    etc = root / "etc"
-    etc.mkdir()
-    passwd, group = passwd_lines(str(work))
-    (etc / "passwd").write_text(passwd)
-    (etc / "group").write_text(group)
-    for path in (etc / "passwd", etc / "group"):
-        os.chmod(path, 0o644)
-    os.chmod(etc, 0o755)
+
+
+_etc: tuple[int, Path] | None = None  # (pid, dir): the /etc of this process's sandboxes
+
+
+def _etc_dir() -> Path:
+    """This process's sandbox ``/etc`` (made once; named like a working directory, so the
+    reaper removes it after the process is gone, and removed at exit).  Blocking."""
+    global _etc
+    if _etc is None or _etc[0] != os.getpid():
+        directory = Path(tempfile.mkdtemp(prefix=_WORKDIR_PREFIX + _owner_tag() + "etc-"))
+        make_etc(directory)
+        _etc = (os.getpid(), directory)
+        atexit.register(_rmtree, directory)
+    return _etc[1]
 
 
 class LocalSandbox(Sandbox):
@@ -242,6 +250,7 @@ class LocalSandbox(Sandbox):
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self._root: Path | None = None
+        self._etc = Path("/nonexistent")  # the /etc commands see under bubblewrap
         self._workdir: Path | None = None
         self._workdir_dev: int | None = None
         self._uid: int | None = None
@@ -316,6 +325,8 @@ class LocalSandbox(Sandbox):
                 name, memory_bytes=cfg.memory_mb * _MIB, pids=cfg.pids, cpus=cfg.cpus
             )
         _layout(root, self._uid, isolated=self._is_isolated)
+        if self._is_isolated:
+            self._etc = _etc_dir()
         self._workdir = root / "work"
         self._workdir_dev = os.stat(self._workdir).st_dev
 
@@ -408,7 +419,10 @@ class LocalSandbox(Sandbox):
         started = time.monotonic()
         group: Path | None = None
         joins: list[Path] = []
-        if self._cgroups is not None:
+        if self._cgroups is not None and self._is_isolated:
+            # The command's pid namespace dies with its leader: no group of its own needed.
+            joins = self._cgroups.joins
+        elif self._cgroups is not None:
             try:
                 group, joins = self._cgroups.exec_group(next(self._exec_ids))
             except OSError as exc:
@@ -538,13 +552,13 @@ class LocalSandbox(Sandbox):
 
     def _wrap(self, argv: list[str], workdir: Path, run_dir: Path, joins: list[Path]) -> list[str]:
         if self._is_isolated:
-            assert _bwrap_exe is not None and self._root is not None
+            assert _bwrap_exe is not None
             argv = [
                 *bwrap_argv(
                     _bwrap_exe,
                     workdir=workdir,
                     run_dir=run_dir,
-                    etc_dir=self._root / "etc",
+                    etc_dir=self._etc,
                     tmp_bytes=self.config.tmp_mb * _MIB,
                     network=self.config.network,
                 ),

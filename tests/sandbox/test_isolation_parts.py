@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentroll.sandbox import _cgroup
-from agentroll.sandbox._bwrap import bwrap_argv, passwd_lines
+from agentroll.sandbox._bwrap import bwrap_argv, make_etc, passwd_lines
 
 
 def _fake_host(tmp_path: Path) -> Path:
@@ -40,9 +40,8 @@ def test_bwrap_binds_only_system_dirs_and_non_secret_etc(tmp_path: Path, network
     assert "--ro-bind / /" not in joined and "--bind / /" not in joined
     assert f"--ro-bind {host}/usr /usr" in joined and "--symlink usr/bin /bin" in joined
     assert f"--ro-bind {host}/lib64 /lib64" in joined
-    assert "shadow" not in joined
-    assert f"--ro-bind {host}/etc/ld.so.cache /etc/ld.so.cache" in joined
-    assert ("resolv.conf" in joined) == network and ("--share-net" in argv) == network
+    assert f"--ro-bind {tmp_path}/sb/etc /etc" in joined
+    assert ("--share-net" in argv) == network
     for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"):
         assert flag in argv
     assert argv[argv.index("--cap-drop") + 1] == "ALL"
@@ -55,6 +54,20 @@ def test_passwd_names_only_root_and_the_sandbox_user() -> None:
     passwd, group = passwd_lines("/w")
     assert [ln.split(":")[0] for ln in passwd.splitlines()] == ["root", "sandbox"]
     assert "sandbox:x:1000:1000::/w:/bin/sh" in passwd and group.count("\n") == 2
+
+
+def test_the_sandbox_etc_copies_no_secret(tmp_path: Path) -> None:
+    host = _fake_host(tmp_path)
+    os.symlink("/usr/bin/python3.11", host / "etc" / "python-link")  # not on the list
+    (host / "etc" / "alternatives").mkdir()
+    os.symlink("/usr/bin/mawk", host / "etc" / "alternatives" / "awk")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    make_etc(etc, host_root=host)
+    names = ["alternatives", "group", "hosts", "ld.so.cache", "passwd", "resolv.conf"]
+    assert sorted(os.listdir(etc)) == names
+    assert os.readlink(etc / "alternatives" / "awk") == "/usr/bin/mawk"
+    assert (etc / "passwd").read_text() == passwd_lines()[0]
 
 
 def test_cgroup_v1_writes_limits_and_joins(tmp_path: Path) -> None:
