@@ -45,6 +45,7 @@ import numpy as np
 from agentroll.buffer import BufferConfig
 from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
+from agentroll.stream.auth import ensure_token, load_token
 from agentroll.stream.client import StreamClient, WireFormat
 from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
 from agentroll.types import Message, ToolCall, Trajectory, Turn, encode_msgpack
@@ -177,7 +178,12 @@ async def _worker(
         buffer=BufferConfig(capacity=CAPACITY, max_staleness=None, group_size=group_size),
         max_lease=CAPACITY,
     )
-    async with TrajectoryStream(spool_dir, config) as stream, serve_stream(stream) as url:
+    # the spool's parent is the bench's run directory: the consumer reads the token there
+    token = ensure_token(Path(spool_dir).parent, None)
+    async with (
+        TrajectoryStream(spool_dir, config) as stream,
+        serve_stream(stream, token=token) as url,
+    ):
         print(f"url {url}", flush=True)
         groups: list[list[Trajectory]] = []
         while True:
@@ -216,6 +222,7 @@ async def _worker(
 
 async def _consume(
     url: str,
+    token: str,
     fmt: WireFormat,
     n: int,
     sizes: list[int],
@@ -226,7 +233,7 @@ async def _consume(
     """Consume until ``n`` distinct trajectories came; returns their msgpack bytes."""
     seen: set[str] = set()
     nbytes = 0
-    async with StreamClient(url, format=fmt, conversation=conversation) as client:
+    async with StreamClient(url, token=token, format=fmt, conversation=conversation) as client:
         # closing the generator completes the ack it has in flight
         async with contextlib.aclosing(
             client.batches(max=lease_max, wait=10.0, auto_ack=True)
@@ -379,6 +386,7 @@ def run_stream_bench(
             if len(line) != 2 or line[0] != "url":
                 raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
             url = line[1]
+            token = load_token(root, env=None)  # the worker's own, whatever the environment
             limits = (math.nan, math.nan)
             measured = -1  # the repeat whose limits ``limits`` are
             for prefix, fmt, count, conversation, repeat in plan:
@@ -402,7 +410,7 @@ def run_stream_bench(
                     proc.stdin.write(f"publish {prefix} {count}\n")
                     proc.stdin.flush()
                     nbytes = asyncio.run(
-                        _consume(url, fmt, count, sizes, lease_max, bar, conversation)
+                        _consume(url, token, fmt, count, sizes, lease_max, bar, conversation)
                     )
                     seconds = time.perf_counter() - start
                     runs.append(

@@ -135,7 +135,8 @@ class TrajectoryBuffer:
     """Bounded FIFO of trajectory groups with leases, acks and a strict staleness bound.
 
     ``on_drop`` is called with the trajectories of each group dropped as stale (e.g. to
-    delete them from the spool); it runs after the buffer's state is consistent.
+    move them to the spool's dropped segment); it runs after the buffer's state is
+    consistent.
     """
 
     def __init__(
@@ -212,12 +213,15 @@ class TrajectoryBuffer:
         """Queue groups recovered from a spool at start-up, without waiting and beyond
         ``capacity`` if need be.  A group may be partial (1..group_size trajectories: some
         were acknowledged before the restart).  Stale groups are handled as in ``put``.
+        Restored groups count as handed out: a trainer may hold them from a lease before the
+        restart, and its ack takes them out of the buffer as it takes them out of the spool.
 
         Returns how many trajectories were accepted; raises ValueError like ``put``.
         """
         made = [self._make_group(group, exact=False) for group in groups]
         total = 0
         for g in made:
+            g.handed_out = True
             self._insert(g)
             total += len(g.items)
         self._restored += total

@@ -12,6 +12,7 @@
     │   └── GenerationTimeout           one generation exceeded its stage timeout
     ├── EpisodeTimeout                  a whole episode exceeded its timeout
     ├── StreamError                     the trajectory stream failed (worker unreachable, refused)
+    ├── CheckpointError (ValueError)    a checkpoint file is corrupt, truncated or unframed
     └── WeightSyncError                 a weight update was refused or failed (nothing changed)
 
 Foreign errors (OSError, httpx, docker, torch.distributed) are translated where they are
@@ -20,6 +21,8 @@ caught, with ``raise ... from exc``.  Cancellation is never translated.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -91,3 +94,13 @@ class WeightSyncError(AgentrollError):
 
 class StreamError(AgentrollError):
     """The trajectory stream failed: worker unreachable, request refused, bad reply."""
+
+
+class CheckpointError(AgentrollError, ValueError):
+    """A checkpoint file (an episode checkpoint, or what a stop saved beside them) is
+    corrupt, truncated or not in this version's framed format; ``path`` names the file.
+    Nothing of it is used; the message says what happens instead."""
+
+    def __init__(self, path: str | os.PathLike[str], message: str) -> None:
+        super().__init__(message)
+        self.path = Path(path)

@@ -123,12 +123,19 @@ def warmup(recipe: Recipe, model_dir: Path, run_dir: Path, demos: list[Trajector
 class WorkerProcess:
     """``agentroll worker --recipe`` as a child process; ``url`` once it serves."""
 
-    def __init__(self, recipe_path: Path, model_dir: Path, run_dir: Path, token: str) -> None:
+    def __init__(
+        self,
+        recipe_path: Path,
+        model_dir: Path,
+        run_dir: Path,
+        token: str,
+        token_env: str = "AGENTROLL_STREAM_TOKEN",
+    ) -> None:
         self.ready_file = run_dir / "worker.json"
         self.log_path = run_dir / "worker.log"
         self.ready_file.unlink(missing_ok=True)
         env = dict(os.environ)
-        env["AGENTROLL_STREAM_TOKEN"] = token
+        env[token_env] = token  # the variable the recipe's worker reads (stream.token_env)
         cmd = [
             sys.executable,
             "-m",
@@ -228,7 +235,9 @@ async def train(
         ) as client:
             for step in range(recipe.run.steps):
                 with metrics.span("trainer.idle"):
-                    pending = await client.take(t.batch_size, trainer_version=trainer.version)
+                    # the version of the weights last pushed: what the worker's staleness
+                    # bound is measured against (a version it never received is refused)
+                    pending = await client.take(t.batch_size, trainer_version=worker_version)
                 with metrics.span("trainer.busy", step=step):
                     version = trainer.version
                     batch = collate(pending, pad_id=0)
@@ -309,7 +318,7 @@ async def run_recipe_async(
         demos = await demonstrations(recipe, model_dir)
         model_dir = await asyncio.to_thread(warmup, recipe, model_dir, out, demos)
     token = secrets.token_hex(16)
-    worker = WorkerProcess(resolved_recipe, model_dir, out, token)
+    worker = WorkerProcess(resolved_recipe, model_dir, out, token, recipe.stream.token_env)
     try:
         url = await worker.wait_ready()
         async with asyncio.timeout(recipe.run.timeout):

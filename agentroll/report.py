@@ -3,8 +3,9 @@
 Role: ``build_report`` reduces a ``Trace`` (agentroll.metrics) to a ``Report``; ``advice`` says
 what the numbers imply; ``write_plots`` draws reward, timeline and staleness PNGs (matplotlib's
 Agg canvas, imported lazily, no pyplot state); ``main_report`` prints and writes everything.
-Invariant: a figure nobody measured is ``None`` and printed ``unknown``, never a made-up 0
-(e.g. ``lost`` without a ``lost`` counter in the trace).
+Invariants: a figure nobody measured is ``None`` and printed ``unknown``, never a made-up 0
+(e.g. ``lost`` without a ``lost`` counter); the timeline draws the intervals the table's
+busy/idle shares come from (``timeline_lanes``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from agentroll.errors import ConfigError
 from agentroll.metrics import SpanRecord, StepRecord, Trace, read_trace, trace_files
 
 if TYPE_CHECKING:
+    from matplotlib.path import Path as MplPath
     from rich.table import Table
 
 #: an idle fraction at or above this is "high" (that side waits for the other)
@@ -220,15 +222,63 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+def _union(
+    intervals: Iterable[tuple[float, float]], lo: float, hi: float
+) -> list[tuple[float, float]]:
+    """The time ``(start, end)`` intervals cover, clipped to ``[lo, hi]``, as sorted disjoint
+    intervals (overlapping or touching ones joined)."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        start, end = max(a, lo), min(b, hi)
+        if end <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def _union_seconds(spans: Iterable[SpanRecord], lo: float, hi: float) -> float:
     """Seconds covered by the spans (overlaps counted once), clipped to ``[lo, hi]``."""
-    total, reach = 0.0, lo  # reach: the end of the time already counted
-    for s in sorted(spans, key=lambda s: s.start):
-        start, end = max(s.start, reach), min(s.end, hi)
-        if end > start:
-            total += end - start
-            reach = end
-    return total
+    return sum(end - start for start, end in _union(((s.start, s.end) for s in spans), lo, hi))
+
+
+class _PhaseSpans(msgspec.Struct, kw_only=True):
+    """One component's busy and idle time in one phase, over its lifetime ``[start, end]``
+    (first to last span, within the run): what the table and the timeline both show."""
+
+    component: str
+    phase: str
+    start: float
+    end: float
+    busy: list[tuple[float, float]]
+    idle: list[tuple[float, float]]
+
+
+def _phase_spans(trace: Trace, lo: float, hi: float) -> list[_PhaseSpans]:
+    """Per phase (rollout, then trainer) and component (sorted): its ``_PhaseSpans``."""
+    out: list[_PhaseSpans] = []
+    for phase in ("rollout", "trainer"):
+        prefix = phase + "."
+        by_component: dict[str, list[SpanRecord]] = {}
+        for s in trace.spans:
+            if s.name.startswith(prefix):
+                by_component.setdefault(s.component, []).append(s)
+        for comp in sorted(by_component):
+            mine = by_component[comp]
+            # a component's shares are of its own lifetime (first to last span): a worker
+            # that starts after a warm-up is not "idle" during the warm-up
+            c_lo = max(lo, min(s.start for s in mine))
+            c_hi = min(hi, max(s.end for s in mine))
+            busy, idle = (
+                _union(((s.start, s.end) for s in mine if s.name == prefix + st), c_lo, c_hi)
+                for st in ("busy", "idle")
+            )
+            out.append(
+                _PhaseSpans(component=comp, phase=phase, start=c_lo, end=c_hi, busy=busy, idle=idle)
+            )
+    return out
 
 
 def _staleness(steps: Iterable[StepRecord]) -> dict[int, int]:
@@ -280,29 +330,17 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
     kv_lagged = sum(s.kv_lagged_tokens for s in steps)
 
     components: dict[str, ComponentTime] = {}
-    for phase in ("rollout", "trainer"):
-        names = {s.component for s in trace.spans if s.name.startswith(phase + ".")}
-        for comp in sorted(names):
-            mine = [
-                s for s in trace.spans if s.component == comp and s.name.startswith(phase + ".")
-            ]
-            # a component's shares are of its own lifetime (first to last span): a worker
-            # that starts after a warm-up is not "idle" during the warm-up
-            c_lo = max(lo, min(s.start for s in mine))
-            c_hi = min(hi, max(s.end for s in mine))
-            life = max(0.0, c_hi - c_lo)
-            busy, idle = (
-                _union_seconds((s for s in mine if s.name == f"{phase}.{st}"), c_lo, c_hi)
-                for st in ("busy", "idle")
-            )
-            key = comp if comp not in components else f"{comp}/{phase}"
-            components[key] = ComponentTime(
-                phase=phase,
-                busy_seconds=busy,
-                idle_seconds=idle,
-                busy_fraction=busy / life if life > 0 else None,
-                idle_fraction=idle / life if life > 0 else None,
-            )
+    for p in _phase_spans(trace, lo, hi):
+        life = max(0.0, p.end - p.start)
+        busy, idle = (sum(end - start for start, end in iv) for iv in (p.busy, p.idle))
+        key = p.component if p.component not in components else f"{p.component}/{p.phase}"
+        components[key] = ComponentTime(
+            phase=p.phase,
+            busy_seconds=busy,
+            idle_seconds=idle,
+            busy_fraction=busy / life if life > 0 else None,
+            idle_fraction=idle / life if life > 0 else None,
+        )
 
     def phase_mean(phase: str, attr: str) -> float | None:
         vals = [getattr(c, attr) for c in components.values() if c.phase == phase]
@@ -491,6 +529,67 @@ _COLORS = {
     "sync": "tab:red",
     "pause": "tab:orange",
 }
+#: span names drawn as events (a lane of their own per component, with an outline so that a
+#: sync shorter than a pixel still shows)
+_EVENTS = ("sync", "pause")
+
+
+class TimelineLane(msgspec.Struct, kw_only=True, frozen=True):
+    """One row of ``timeline.png``: a component's phase (``rollout``, ``trainer``) or events
+    (``sync``, ``pause``).  ``bars`` maps a span name to the ``(start, width)`` bars drawn in
+    its colour, in seconds since the run's start, in drawing order (a later name covers an
+    earlier one).  A phase lane spans the component's lifetime ``[start, end]``, as the
+    table's shares do: ``<phase>.idle`` is the time measured either way (the background) and
+    ``<phase>.busy`` the busy time over it, so the green share of the lane is the table's
+    busy fraction."""
+
+    component: str
+    family: str
+    start: float
+    end: float
+    bars: dict[str, list[tuple[float, float]]]
+
+
+def _bars(intervals: Iterable[tuple[float, float]], origin: float) -> list[tuple[float, float]]:
+    return [(start - origin, end - start) for start, end in intervals]
+
+
+def timeline_lanes(trace: Trace) -> list[TimelineLane]:
+    """The rows ``write_plots`` draws in ``timeline.png``, sorted by (component, family):
+    the same busy and idle intervals ``build_report`` measures, plus sync and pause events.
+    Empty when the trace has no spans to draw."""
+    bounds = trace.bounds()
+    if bounds is None:
+        return []
+    lo, hi = bounds
+    lanes: list[TimelineLane] = []
+    for p in _phase_spans(trace, lo, hi):
+        measured = _union(p.busy + p.idle, p.start, p.end)  # busy or idle: the background
+        if not measured:
+            continue
+        lanes.append(
+            TimelineLane(
+                component=p.component,
+                family=p.phase,
+                start=p.start - lo,
+                end=p.end - lo,
+                bars={f"{p.phase}.idle": _bars(measured, lo), f"{p.phase}.busy": _bars(p.busy, lo)},
+            )
+        )
+    for name in _EVENTS:
+        by_component: dict[str, list[SpanRecord]] = {}
+        for s in trace.spans:
+            if s.name == name:
+                by_component.setdefault(s.component, []).append(s)
+        for comp, mine in by_component.items():
+            bars = _bars(_union(((s.start, s.end) for s in mine), lo, hi), lo)
+            if bars:
+                lanes.append(
+                    TimelineLane(
+                        component=comp, family=name, start=0.0, end=hi - lo, bars={name: bars}
+                    )
+                )
+    return sorted(lanes, key=lambda lane: (lane.component, lane.family))
 
 
 def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
@@ -500,6 +599,7 @@ def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, PathPatch
 
     root = Path(run_dir)
     written: list[Path] = []
@@ -531,34 +631,42 @@ def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
         ax.legend()
         save(fig, "reward.png")
 
-    bounds = trace.bounds()
-    spans = [s for s in trace.spans if s.name in _COLORS]
-    if spans and bounds is not None:
-        rows = sorted({(s.component, s.name.split(".")[0]) for s in spans})
-        fig = Figure(figsize=(10, 1 + 0.5 * len(rows)))
+    lanes = timeline_lanes(trace)
+    if lanes:
+        fig = Figure(figsize=(10, 1 + 0.5 * len(lanes)))
         ax = fig.add_subplot()
-        for i, (comp, family) in enumerate(rows):
-            for name, color in _COLORS.items():
-                if name.split(".")[0] != family:
-                    continue
-                bars = [
-                    (s.start - bounds[0], s.seconds)
-                    for s in spans
-                    if s.component == comp and s.name == name
-                ]
-                if bars:
-                    ax.broken_barh(bars, (i - 0.4, 0.8), color=color, label=name)
-        ax.set_yticks(range(len(rows)), [f"{c} {f}" for c, f in rows])
+        ax.set_yticks(range(len(lanes)), [f"{lane.component} {lane.family}" for lane in lanes])
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        duration = max(lane.end for lane in lanes)
+        ax.set_xlim(0.0, duration if duration > 0 else 1.0)
         ax.set_xlabel("seconds since run start")
-        handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles, strict=True))
+        names = {name for lane in lanes for name, bars in lane.bars.items() if bars}
         ax.legend(
-            unique.values(),
-            unique.keys(),
+            handles=[Patch(color=c, label=n) for n, c in _COLORS.items() if n in names],
             loc="upper left",
             bbox_to_anchor=(1, 1),
             fontsize="small",
         )
+        for i, lane in enumerate(lanes):
+            for name, bars in lane.bars.items():
+                if not bars:
+                    continue
+                if name in _EVENTS:
+                    ax.broken_barh(bars, (i - 0.4, 0.8), color=_COLORS[name])
+                    continue
+                # A phase's bars are one path without an outline, not snapped to whole
+                # pixels: a stroke widens each bar by about a pixel (at a pixel or two per
+                # bar, the idle outlines painted busy lanes idle), snapping widens thin bars,
+                # and separate shapes meeting inside a pixel leave a seam; so a pixel's
+                # colour is the busy share of its time.
+                ax.add_patch(
+                    PathPatch(
+                        _bars_path(bars, i - 0.4, 0.8),
+                        facecolor=_COLORS[name],
+                        linewidth=0.0,
+                        snap=False,
+                    )
+                )
         save(fig, "timeline.png")
 
     hist = _staleness(_steps(trace))
@@ -572,6 +680,23 @@ def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
         ax.set_ylabel("trajectories")
         save(fig, "staleness.png")
     return written
+
+
+def _bars_path(bars: list[tuple[float, float]], y: float, height: float) -> MplPath:
+    """One matplotlib ``Path`` of the ``(start, width)`` rectangles from ``y`` to ``y + height``
+    (closed subpaths: matplotlib does not simplify them away)."""
+    import numpy as np
+    from matplotlib.path import Path as MplPath
+
+    x = np.asarray(bars, dtype=float).reshape(-1, 2)
+    x0, x1 = x[:, 0], x[:, 0] + x[:, 1]
+    y0, y1 = np.full_like(x0, y), np.full_like(x0, y + height)
+    verts = np.stack([x0, y0, x1, y0, x1, y1, x0, y1, x0, y0], axis=1).reshape(-1, 2)
+    codes = np.tile(
+        [MplPath.MOVETO, MplPath.LINETO, MplPath.LINETO, MplPath.LINETO, MplPath.CLOSEPOLY],
+        len(x),
+    )
+    return MplPath(verts, codes)
 
 
 def main_report(run_dir: str | Path) -> int:

@@ -2,7 +2,8 @@
 
 Invariants (DESIGN.md 1-3, 6, 8): the prompt is rendered once and every later request's
 prompt is the trajectory so far (sampled ids appended verbatim, environment replies rendered
-incrementally); ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
+incrementally); the tokens end on the last sampled turn, ``messages`` also holds the reply the
+episode ended on; ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
 ``failed`` trajectory and never cancels its siblings; cancellation propagates and sandboxes
 are closed shielded from it; every worker task belongs to the engine's task group.
 ``pause`` / ``resume`` (agentroll.pause) are invisible to environment code: a turn waits at
@@ -55,6 +56,8 @@ from agentroll.types import (
 
 logger = logging.getLogger("agentroll.rollout")
 _LONG_TEXT = 64 * 1024  # render/tokenize texts longer than this off the event loop
+# (task, sample index, group id, checkpoint to continue or unstarted job): run()'s work items
+_Job = tuple[Task, int, str, EpisodeCheckpoint | EpisodeJob | None]
 
 
 class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -304,13 +307,14 @@ class RolloutEngine:
         tasks: Iterable[Task],
         checkpoints: Iterable[EpisodeCheckpoint],
         unstarted: Iterable[EpisodeJob],
-    ) -> Iterator[tuple[Task, int, str, EpisodeCheckpoint | None]]:
-        """(task, sample index, group id, checkpoint to continue): checkpoints first, then
-        the samples a stop left unstarted, then every task's samples in new groups."""
+    ) -> Iterator[_Job]:
+        """(task, sample index, group id, checkpoint to continue or unstarted job):
+        checkpoints first, then the samples a stop left unstarted (and those restarted
+        because their checkpoint was refused), then every task's samples in new groups."""
         for cp in checkpoints:
             yield cp.task, cp.sample_index, cp.group_id, cp
         for job in unstarted:
-            yield job.task, job.sample_index, job.group_id, None
+            yield job.task, job.sample_index, job.group_id, job
         for task in tasks:
             if not isinstance(task, Task) or not isinstance(task.id, str):
                 raise ConfigError(f"tasks must be Task objects with a str id, got {task!r:.80}")
@@ -365,8 +369,11 @@ class RolloutEngine:
 
         gate = asyncio.Lock()
 
-        async def next_job() -> tuple[Task, int, str, EpisodeCheckpoint | None] | None:
+        async def next_job() -> _Job | None:
             async with gate:  # one group is admitted at a time, and whole
+                # a paused engine starts no episode: a stop checkpoints what runs, and the
+                # episodes it would start keep their place (``take_unstarted``)
+                await self.pauses.gate.wait()
                 job = next(jobs, None)
                 if job is None or job[3] is not None or (job[2], job[1]) in owed:
                     return job  # continued, or a sample of a group already started
@@ -378,12 +385,29 @@ class RolloutEngine:
                     owed[group, i] = EpisodeJob(task=task, sample_index=i, group_id=group)
                 return job
 
+        # Workers follow the jobs: the newest one, once it holds a job, starts the next (up to
+        # ``concurrency``), so start-up costs what runs, not the setting (a concurrency of
+        # 65536 for 8 tasks starts 9 workers), and the loop is never blocked spawning them.
+        tg, workers = self._tg, list[asyncio.Task[None]]()
+
+        def spawn() -> None:
+            w = tg.create_task(worker())
+            workers.append(w)
+            self._workers.add(w)
+
         async def worker() -> None:
             try:
                 while (job := await next_job()) is not None:
-                    task, index, group, cp = job
+                    newest = workers[-1] is asyncio.current_task()
+                    if newest and len(workers) < self.config.concurrency:
+                        spawn()
+                    task, index, group, origin = job
                     outcome = await self.run_episode(
-                        task, sample_index=index, group_id=group, checkpoint=cp
+                        task,
+                        sample_index=index,
+                        group_id=group,
+                        checkpoint=origin if isinstance(origin, EpisodeCheckpoint) else None,
+                        restart_of=origin.episode_id if isinstance(origin, EpisodeJob) else "",
                     )
                     traj = outcome.trajectory
                     undelivered[traj.id] = traj
@@ -396,10 +420,9 @@ class RolloutEngine:
                 return
             await results.put(None)
 
-        workers = [self._tg.create_task(worker()) for _ in range(self.config.concurrency)]
-        self._workers.update(workers)
+        spawn()
         pending: dict[str, list[_Outcome]] = {}
-        running = len(workers)
+        stopped = 0  # workers that found no job left
         progress = Progress("episodes", total, mode=self.config.progress)
         try:
             for traj in finished:
@@ -409,10 +432,10 @@ class RolloutEngine:
                 else:
                     undelivered.pop(traj.id, None)
                     yield traj
-            while running:
+            while stopped < len(workers):  # a worker starts the next before it can stop
                 item = await results.get()
                 if item is None:
-                    running -= 1
+                    stopped += 1
                     continue
                 if isinstance(item, BaseException):
                     raise item
@@ -463,8 +486,11 @@ class RolloutEngine:
         sample_index: int = 0,
         group_id: str | None = None,
         checkpoint: EpisodeCheckpoint | None = None,
+        restart_of: str = "",
     ) -> _Outcome:
-        """Run one episode to completion (or continue ``checkpoint``).  Never raises for
+        """Run one episode to completion (or continue ``checkpoint``).  ``restart_of``: the
+        id of an episode whose checkpoint was refused; this run restarts it from its task
+        under that id and counts the restart in ``restarted_turns``.  Never raises for
         episode failures (they are on the trajectory); raises only ``CancelledError``."""
         cfg = self.config
         env = self.env.spawn()
@@ -477,10 +503,13 @@ class RolloutEngine:
             state.data = dict(cp.state_data)
             run = EpisodeRun(env, state, cp.group_id, cp.started_at)
         else:
-            episode_id = new_id()
+            episode_id = restart_of or new_id()
             seed = episode_seed(cfg.seed, task.id, sample_index)
             state = EpisodeState(task, seed=seed, episode_id=episode_id, sample_index=sample_index)
             run = EpisodeRun(env, state, group_id or episode_id, now())
+            if restart_of:  # what it had done is lost with its checkpoint: one restart
+                run.restarted_turns = 1
+                self.stats["restarted_turns"] += 1
         self._live[state.episode_id] = run
         traj: Trajectory | None = None
         error: str | None = None
@@ -715,6 +744,7 @@ class RolloutEngine:
                 for r in results
             ]
             if run.format_errors >= env.max_format_errors:
+                messages.extend(new)
                 return "ok", "format_errors"
         else:
             run.format_errors = 0
@@ -723,6 +753,9 @@ class RolloutEngine:
             if reply is None:
                 return "ok", "no_tool_call"
             new = _env_messages(reply, env, "env_response")
+        # The reply joins the conversation even when the episode ends on it: the tokens stop at
+        # the last sampled turn (the model never saw it), but reward functions read it here.
+        messages.extend(new)
         if env.is_done(state):
             return "ok", "env_done"
         if index == env.max_turns - 1:
@@ -731,7 +764,6 @@ class RolloutEngine:
         if env.max_total_tokens is not None and len(builder) + len(cont) >= env.max_total_tokens:
             return "truncated", "token_budget"  # no room left to generate after the reply
         builder.add_context(cont)
-        messages.extend(new)
         turn.env_end = len(builder)
         run.next_turn = index + 1
         return None

@@ -10,8 +10,9 @@ engine still held because the producer was busy publishing, are saved beside the
 are the samples of started groups that have no episode yet; the next start continues all
 three, so every group it began is published whole, and keeps the saved files until those
 groups are durable in the spool, skipping at a later start what a killed run published of
-them); every sync, counter and busy/idle interval is written to
-``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
+them); an episode whose checkpoint is refused as corrupt restarts from its task under its
+id (counted in ``checkpoints_corrupt``) while the others continue; every sync, counter and
+busy/idle interval is written to ``<run_dir>/<component>.jsonl`` (``agentroll.metrics``).
 """
 
 from __future__ import annotations
@@ -23,22 +24,24 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from agentroll._fs import atomic_file
 from agentroll.admission import AdmissionController
 from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
 from agentroll.buffer import BufferConfig
 from agentroll.checkpoint import (
+    JOB_FILE,
     EpisodeCheckpoint,
     EpisodeJob,
-    load_checkpoints,
+    load_finished,
     load_jobs,
+    save_finished,
     save_jobs,
+    scan_checkpoints,
 )
 from agentroll.env import Environment, load_environment
 from agentroll.errors import ConfigError
@@ -46,10 +49,13 @@ from agentroll.metrics import MetricsWriter
 from agentroll.recipe import Recipe
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox.base import SandboxConfig
+from agentroll.stream.auth import TOKEN_FILE, check_token, ensure_token
 from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
+from agentroll.stream.spool import SpoolConfig
 from agentroll.types import Task, Trajectory
+from agentroll.weights.apply import WeightLayout, check_base
+from agentroll.weights.transport import UpdateHeader
 from agentroll.weights.update import WeightUpdate
-from agentroll.worker import TrajectoryWriter, read_trajectories
 
 logger = logging.getLogger("agentroll.service")
 FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
@@ -62,29 +68,50 @@ def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
     kwargs = {**recipe.environment.kwargs, **overrides}
     env = load_environment(recipe.environment.name, **kwargs)
     sb = recipe.sandbox
-    if env.sandbox_config is not None:
-        changes: dict[str, Any] = {"backend": sb.backend}
-        if sb.timeout is not None:
-            changes["timeout"] = sb.timeout
-        if sb.image is not None:
-            changes["image"] = sb.image
-        if sb.memory_mb is not None:
-            changes["memory_mb"] = sb.memory_mb
-        if sb.options:
-            changes["options"] = dict(sb.options)
-        config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
-    elif sb.backend != "local" or sb.image is not None:
-        config = SandboxConfig(
-            backend=sb.backend,
-            image=sb.image,
-            memory_mb=sb.memory_mb or SandboxConfig().memory_mb,
-            options=dict(sb.options),
-        )
-    else:
-        return env
+    try:  # the recipe's values with the environment's own: SandboxConfig checks them together
+        if env.sandbox_config is not None:
+            changes: dict[str, Any] = {"backend": sb.backend}
+            if sb.timeout is not None:
+                changes["timeout"] = sb.timeout
+            if sb.image is not None:
+                changes["image"] = sb.image
+            if sb.memory_mb is not None:
+                changes["memory_mb"] = sb.memory_mb
+            if sb.options:
+                changes["options"] = dict(sb.options)
+            config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
+        elif sb.backend != "local" or sb.image is not None:
+            config = SandboxConfig(
+                backend=sb.backend,
+                image=sb.image,
+                memory_mb=sb.memory_mb or SandboxConfig().memory_mb,
+                options=dict(sb.options),
+            )
+        else:
+            return env
+    except ValueError as exc:
+        raise ConfigError(
+            f"[sandbox] with environment {recipe.environment.name!r}'s own limits: {exc}"
+        ) from exc
     # a per-instance override of the class-level default
     object.__setattr__(env, "sandbox_config", config)
     return env
+
+
+def local_weight_layout(backend: Backend) -> WeightLayout | None:
+    """The layout of the weights of a built-in engine in this process behind ``backend``
+    (a fleet's replicas share one), or None when none is (vLLM, remote replicas)."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
+
+    engines = [backend]
+    if isinstance(backend, FleetBackend):
+        engines = [r.backend for r in backend.replicas.values() if isinstance(r, LocalReplica)]
+    for engine in engines:
+        if isinstance(engine, TorchBackend) and engine.engine is not None:
+            return engine.engine.weight_store().layout()
+    return None
 
 
 def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
@@ -183,6 +210,8 @@ class _NotingStream(TrajectoryStream):
     async def lease(
         self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
     ) -> Any:
+        # a version the worker's weights never had is refused before admission hears of it
+        self.check_trainer_version(trainer_version)
         if trainer_version is not None:
             self.service.note_trainer_version(trainer_version)
         return await super().lease(max_trajectories, wait=wait, trainer_version=trainer_version)
@@ -197,7 +226,10 @@ class RolloutService:
     ``stop`` is set; ``ready(url)`` is called once the stream is served.
 
     ``checkpoint_dir``: where a stop checkpoints in-flight episodes (default
-    ``<run_dir>/checkpoints``) and where a start looks for them.
+    ``<run_dir>/checkpoints``) and where a start looks for them.  ``token``: the stream's
+    bearer token (default: the recipe's ``stream.token_env`` variable, else the one in
+    ``<run_dir>/stream.token``, else a new one); it is written to ``<run_dir>/stream.token``
+    (mode 0600) at start, where trainers find it (``agentroll.stream.auth.load_token``).
     """
 
     def __init__(
@@ -219,6 +251,8 @@ class RolloutService:
         )
         self.port = recipe.stream.port if port is None else port
         self.token = token if token is not None else os.environ.get(recipe.stream.token_env)
+        if self.token is not None:  # an empty one is refused now, not at start
+            check_token(self.token, f"the stream token (${recipe.stream.token_env} or token=)")
         self.metrics = MetricsWriter(self.run_dir, component)
         self.spool_dir = Path(recipe.stream.spool_dir or self.run_dir / "spool")
         spt = recipe.rollout.samples_per_task
@@ -234,7 +268,12 @@ class RolloutService:
                 on_stale=recipe.buffer.on_stale,
                 group_size=spt,
                 lease_ttl=recipe.buffer.lease_ttl,
-            )
+            ),
+            # stale drops are kept on disk for inspection up to these limits
+            spool=SpoolConfig(
+                dropped_max_records=recipe.stream.dropped_max_records,
+                dropped_max_bytes=recipe.stream.dropped_max_bytes,
+            ),
         )
         self.backend: Any = None
         self.stream: TrajectoryStream | None = None
@@ -251,6 +290,7 @@ class RolloutService:
             "syncs": 0,
             "syncs_mid_generation": 0,
             "admission_wait_seconds": 0.0,
+            "checkpoints_corrupt": 0,  # refused at the start; their episodes restart
         }
 
     # -- admission ---------------------------------------------------------------------------
@@ -295,6 +335,19 @@ class RolloutService:
         self.counters["admission_wait_seconds"] += waited
 
     # -- weights -----------------------------------------------------------------------------
+
+    def _weights_check(self) -> Callable[[UpdateHeader], None]:
+        """The check of a weight upload's header, before its payloads are read: its base is
+        the fleet's version and, where the engines run here, its tensors are the model's
+        (which bounds its size by the model's).  Call it once the backend has started."""
+        fleet, layout = self.backend, local_weight_layout(self.backend)
+
+        def check(header: UpdateHeader) -> None:
+            check_base(header, fleet.policy_version, holder="this worker")
+            if layout is not None:
+                layout.check(header)
+
+        return check
 
     async def _on_weights(self, update: WeightUpdate) -> None:
         fleet = self.backend
@@ -410,18 +463,38 @@ class RolloutService:
         last stop: ``run(finished=...)`` delivers the finished ones again (or scores them
         with the rest of their group), ``run(unstarted=...)`` starts the unstarted ones.
         The files stay until every group they hold is published (a kill before then finds
-        them again); ``_skip_published`` then drops what a killed run had published."""
+        them again); ``_skip_published`` then drops what a killed run had published.  An
+        episode checkpoint refused as corrupt becomes an unstarted sample that restarts the
+        episode under its id (its directory goes once its group is published)."""
         finished = self.checkpoint_dir / FINISHED
         unstarted = self.checkpoint_dir / UNSTARTED
         try:
-            checkpoints = load_checkpoints(self.checkpoint_dir)
-            stopped = read_trajectories(finished) if finished.is_file() else []
+            checkpoints, corrupt = scan_checkpoints(self.checkpoint_dir)
+            stopped = load_finished(finished) if finished.is_file() else []
             jobs = load_jobs(unstarted) if unstarted.is_file() else []
         except ValueError as exc:  # damaged: refuse to start rather than drop episodes
             raise ConfigError(
                 f"cannot continue the stopped run: {exc}; move what is damaged out of "
-                f"{self.checkpoint_dir} (its episodes then start afresh) and start again"
+                f"{self.checkpoint_dir} and start again (what it held is then lost)"
             ) from exc
+        queued = {(j.group_id, j.sample_index) for j in jobs}
+        for bad in corrupt:
+            if bad.job is None and self.recipe.rollout.samples_per_task == 1:
+                # its task is unknown, but it is a group of its own: no group waits for it
+                logger.warning("%s; its task is unknown too: the episode is dropped", bad.error)
+                shutil.rmtree(bad.path, ignore_errors=True)
+                continue
+            if bad.job is None:  # the sample is unknown: its group could never complete
+                raise ConfigError(
+                    f"cannot continue the stopped run: {bad.error}, and its task is unknown "
+                    f"({JOB_FILE} is damaged too); move {bad.path} out of {self.checkpoint_dir} "
+                    "and start again (the rest of its group then waits for it forever)"
+                ) from bad.error
+            logger.warning("%s; restarting episode %s from its task", bad.error, bad.path.name)
+            # a restart a stop saved as unstarted before it ran is in UNSTARTED already
+            if (bad.job.group_id, bad.job.sample_index) not in queued:
+                jobs.append(bad.job)
+        self.counters["checkpoints_corrupt"] = len(corrupt)
         self._track_stopped(checkpoints, stopped, jobs)
         return checkpoints, stopped, jobs
 
@@ -435,7 +508,9 @@ class RolloutService:
         treats as outstanding, the checkpoints to remove once published, the groups that
         keep the stop's files."""
         self._restored = len(checkpoints) + len(stopped) + len(jobs)
+        # a restarted episode keeps its id: its refused checkpoint goes when it is published
         self._continued = {cp.episode_id for cp in checkpoints}
+        self._continued |= {j.episode_id for j in jobs if j.episode_id}
         self._stop_groups = {t.group_id for t in stopped} | {j.group_id for j in jobs}
 
     def _skip_published(
@@ -453,9 +528,13 @@ class RolloutService:
         spool = self.stream.spool
         done = {cp.group_id for cp in checkpoints if cp.episode_id in spool}
         done |= {t.group_id for t in stopped if t.id in spool}
+        done |= {j.group_id for j in jobs if j.episode_id and j.episode_id in spool}
         if not done:
             return checkpoints, stopped, jobs
         self._remove_checkpoints([cp.episode_id for cp in checkpoints if cp.group_id in done])
+        self._remove_checkpoints(
+            [j.episode_id for j in jobs if j.episode_id and j.group_id in done]
+        )
         keep_cps = [cp for cp in checkpoints if cp.group_id not in done]
         keep_stopped = [t for t in stopped if t.group_id not in done]
         keep_jobs = [j for j in jobs if j.group_id not in done]
@@ -491,17 +570,10 @@ class RolloutService:
         else:
             path.unlink(missing_ok=True)
         path = self.checkpoint_dir / FINISHED
-        if not pending:
+        if pending:
+            save_finished(path, pending)
+        else:
             path.unlink(missing_ok=True)
-            return
-        with atomic_file(path) as tmp:
-            writer = TrajectoryWriter(tmp)
-            writer.open()
-            try:
-                for t in pending:
-                    writer.write(t)
-            finally:
-                writer.close()
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -521,13 +593,20 @@ class RolloutService:
         await self.backend.start()
         checkpointed = 0
         try:
+            token = self.token = await asyncio.to_thread(ensure_token, self.run_dir, self.token)
             self.stream = _NotingStream(
-                self.spool_dir, self.stream_config, on_weights=self._on_weights, service=self
+                self.spool_dir,
+                self.stream_config,
+                on_weights=self._on_weights,
+                check_weights=self._weights_check(),
+                # a lease may report up to the weights the fleet serves (checked per lease)
+                policy_version=max(0, int(self.backend.policy_version)),
+                service=self,
             )
             async with (
                 self.stream,
                 serve_stream(
-                    self.stream, host=recipe.stream.host, port=self.port, token=self.token
+                    self.stream, host=recipe.stream.host, port=self.port, token=token
                 ) as url,
                 RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
             ):
@@ -570,10 +649,14 @@ class RolloutService:
         return {"published": published, "checkpointed": checkpointed, **self.episode_counters()}
 
 
-def write_ready_file(path: Path, url: str) -> None:
-    """Tell a parent process where the stream is served (written atomically)."""
+def write_ready_file(path: Path, url: str, token_file: Path | None = None) -> None:
+    """Tell a parent process where the stream is served and where its token is (written
+    atomically)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    info: dict[str, Any] = {"url": url, "pid": os.getpid()}
+    if token_file is not None:
+        info["token_file"] = str(token_file)
+    tmp.write_text(json.dumps(info))
     tmp.replace(path)
 
 
@@ -590,8 +673,13 @@ def main_service(
     the episodes in flight and exit.  ``model`` defaults to the recipe's (or the tiny one)."""
     import signal
 
-    from agentroll.recipe import load_recipe
+    from agentroll.recipe import StreamSection, load_recipe
+    from agentroll.worker import stop_on_signals
 
+    try:
+        StreamSection.bounds["port"].check("--port", port if port is not None else 0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     recipe = load_recipe(recipe_path)
     out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
     if model is None:
@@ -601,18 +689,18 @@ def main_service(
 
     async def main() -> dict[str, Any]:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
 
         def ready(url: str) -> None:
-            logger.info("serving trajectories at %s", url)
+            token_file = out / TOKEN_FILE
+            logger.info("serving trajectories at %s (bearer token in %s)", url, token_file)
             if ready_file is not None:
-                write_ready_file(Path(ready_file), url)
+                write_ready_file(Path(ready_file), url, token_file)
 
         service = RolloutService(
             recipe, model_dir=model, run_dir=out, checkpoint_dir=checkpoint_dir, port=port
         )
-        return await service.serve(stop, ready=ready)
+        # a stop the event loop cannot take up (it is blocked) ends the process at once
+        with stop_on_signals(stop, (signal.SIGTERM, signal.SIGINT)):
+            return await service.serve(stop, ready=ready)
 
     return asyncio.run(main())

@@ -4,7 +4,8 @@ Role: ``run_worker`` appends finished trajectories to an output file; SIGTERM (o
 pauses the engine, checkpoints every in-flight episode and flushes what finished; a worker
 started with that checkpoint directory (here or elsewhere) continues those episodes first.
 Invariants: every task ends up in the output exactly once (tasks already written or
-checkpointed are skipped); a trajectory is fsynced before its checkpoint is deleted.
+checkpointed are skipped); a trajectory is fsynced before its checkpoint is deleted; an
+episode whose checkpoint is refused as corrupt restarts from its task under its id.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import os
 import shutil
 import signal
 import struct
-from collections.abc import AsyncGenerator, Iterable, Sequence
+import threading
+from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from agentroll.backends.base import Backend
 from agentroll.chat import ChatTokenizer
-from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.checkpoint import EpisodeCheckpoint, EpisodeJob, scan_checkpoints
 from agentroll.env import Environment
 from agentroll.errors import ConfigError
 from agentroll.rollout import RolloutConfig, RolloutEngine
@@ -38,6 +40,89 @@ from agentroll.types import (
 
 logger = logging.getLogger("agentroll.worker")
 _FRAME = struct.Struct("<I")  # msgpack output: each record is prefixed by its length
+STOP_GRACE = 3.0  # seconds a blocked event loop has to take up a stop signal
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """The Python-level handler: the signal is acted on by the watcher thread."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(
+    stop: asyncio.Event,
+    signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    *,
+    grace: float = STOP_GRACE,
+) -> Iterator[None]:
+    """While inside, each of ``signals`` sets ``stop`` on the running event loop (the
+    graceful stop).  A watcher thread hears the signal through the wakeup fd even while the
+    loop is blocked (a hook that never yields, start-up work); if the loop has not run the
+    stop within ``grace`` seconds, the process exits at once with status 128 + the signal's
+    number: a stop signal is never ignored.  Enter it with the loop running on the main
+    thread (else ``ConfigError``); leaving restores the previous handlers and wakeup fd.
+    """
+    if not signals:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    wanted = {int(sig) for sig in signals}
+    acted, leaving = threading.Event(), threading.Event()
+    r, w = os.pipe()
+    os.set_blocking(w, False)  # the C signal handler must never block on it
+    previous: dict[int, Any] = {}
+    old_fd: int | None = None
+
+    def take_up() -> None:  # on the loop: the loop is alive, the graceful stop begins
+        acted.set()
+        stop.set()
+
+    def watch() -> None:
+        while not leaving.is_set():
+            data = os.read(r, 512)
+            heard = [b for b in data if b]  # 0 is the wake-up of leaving
+            if old_fd is not None and old_fd >= 0 and heard:
+                with contextlib.suppress(OSError):  # whoever listened before still hears
+                    os.write(old_fd, bytes(heard))
+            for signum in (b for b in heard if b in wanted):
+                with contextlib.suppress(RuntimeError):  # the loop is closed: we are leaving
+                    loop.call_soon_threadsafe(take_up)
+                if not acted.wait(grace) and not leaving.is_set():
+                    name = signal.Signals(signum).name
+                    os.write(
+                        2,
+                        f"agentroll: {name}: the event loop did not take up the stop within "
+                        f"{grace:g} s (it is blocked); exiting without a checkpoint\n".encode(),
+                    )
+                    os._exit(128 + signum)
+
+    watcher = threading.Thread(target=watch, name="agentroll-stop-signals", daemon=True)
+    try:
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            for sig in signals:
+                previous[int(sig)] = signal.signal(sig, _ignore)
+        except ValueError as exc:  # not the main thread
+            raise ConfigError(
+                f"cannot handle {', '.join(signal.Signals(s).name for s in signals)} here "
+                f"({exc}); run the worker on the main thread's event loop or pass "
+                "stop_signals=()"
+            ) from exc
+        watcher.start()
+        try:
+            yield
+        finally:
+            leaving.set()
+            acted.set()  # a signal heard just now needs no exit: we are stopping anyway
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes it anyway
+                os.write(w, b"\0")
+            watcher.join()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
+        os.close(r)
+        os.close(w)
 
 
 @dataclass
@@ -51,12 +136,14 @@ class WorkerResult:
     stopped: bool  # a signal stopped the run before every task finished
     out: Path
     checkpoint_dir: Path
+    checkpoints_corrupt: int = 0  # checkpoints refused; their episodes restarted from the task
 
     def line(self) -> str:
         status = "stopped" if self.stopped else "done"
         return (
             f"worker status={status} checkpointed={self.checkpointed} written={self.written} "
-            f"resumed={self.resumed} skipped={self.skipped} out={self.out} "
+            f"resumed={self.resumed} skipped={self.skipped} "
+            f"checkpoints_corrupt={self.checkpoints_corrupt} out={self.out} "
             f"checkpoint_dir={self.checkpoint_dir}"
         )
 
@@ -145,20 +232,32 @@ class TrajectoryWriter:
 
 def _plan(
     env: Environment, tasks: list[Task], out: Path, cp_dir: Path
-) -> tuple[list[Task], list[EpisodeCheckpoint], int]:
-    """Which tasks to start and which checkpoints to continue (blocking I/O: run it in a
-    thread); deletes checkpoints whose episode is already in the output and the temp
-    directories of checkpoints a crash left half-written."""
+) -> tuple[list[Task], list[EpisodeCheckpoint], list[EpisodeJob], int, int]:
+    """Which tasks to start, which checkpoints to continue, which episodes to restart
+    (their checkpoint was refused), how many tasks are done and how many checkpoints were
+    refused (blocking I/O: run it in a thread); deletes checkpoints whose episode is already
+    in the output, refused ones whose task is unknown (the task list runs it again) and the
+    temp directories of checkpoints a crash left half-written."""
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         raise ConfigError("the worker's tasks must have unique ids (they key the output)")
     try:
-        checkpoints = load_checkpoints(cp_dir)
+        checkpoints, corrupt = scan_checkpoints(cp_dir)
         done = read_trajectories(out)
     except ValueError as exc:
         raise ConfigError(f"cannot continue: {exc}") from exc
     done_ids = {t.id for t in done}
     done_tasks = {t.task_id for t in done}
+    restarts = []
+    for bad in corrupt:
+        job = bad.job
+        if job is not None and job.episode_id not in done_ids and job.task.id not in done_tasks:
+            logger.warning("%s; restarting episode %s from its task", bad.error, job.episode_id)
+            restarts.append(job)
+            continue
+        if job is None:  # a task of the list that is not done is in ``todo``: it runs afresh
+            logger.warning("%s; its task is unknown too: the task list runs it again", bad.error)
+        shutil.rmtree(bad.path, ignore_errors=True)
     fresh = []
     for cp in checkpoints:
         if cp.env_name != env.name:
@@ -172,9 +271,9 @@ def _plan(
             fresh.append(cp)
     for leftover in cp_dir.glob(".*.tmp*") if cp_dir.is_dir() else ():
         shutil.rmtree(leftover, ignore_errors=True)
-    busy = {cp.task.id for cp in fresh}
+    busy = {cp.task.id for cp in fresh} | {job.task.id for job in restarts}
     todo = [t for t in tasks if t.id not in done_tasks and t.id not in busy]
-    return todo, fresh, sum(t.id in done_tasks for t in tasks)
+    return todo, fresh, restarts, sum(t.id in done_tasks for t in tasks), len(corrupt)
 
 
 async def run_worker(
@@ -189,26 +288,33 @@ async def run_worker(
     with_kv: bool = True,
     stop_signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
     checkpoint_timeout: float = 60.0,
+    stop_grace: float = STOP_GRACE,
 ) -> WorkerResult:
     """Run ``tasks`` (default ``env.tasks()``) of ``env`` on ``backend`` (started and closed
     here), appending finished trajectories to ``out``; continue the checkpoints found in
     ``checkpoint_dir`` first.
 
-    One of ``stop_signals`` (handlers installed on the running loop for the duration; pass
+    One of ``stop_signals`` (handlers installed by ``stop_on_signals`` for the duration; pass
     ``()`` for none) pauses the engine, checkpoints every in-flight episode (the KV cache of
     a paused generation too unless ``with_kv`` is false; the next worker then recomputes
     it), waits until every trajectory that finished is written and returns with
-    ``stopped=True``.  Raises ``ConfigError`` for a damaged checkpoint directory, a
-    checkpoint of another environment, duplicate task ids or ``samples_per_task != 1``;
+    ``stopped=True``.  A checkpoint refused as corrupt (``CheckpointError``, logged) restarts
+    its episode from its task, counted in ``checkpoints_corrupt``.  Raises ``ConfigError``
+    for an output file it cannot read, a checkpoint of another environment, duplicate task
+    ids or ``samples_per_task != 1``;
     ``TimeoutError`` when in-flight tool calls do not finish within ``checkpoint_timeout``
-    seconds.  On cancellation the episodes are cancelled and nothing is checkpointed.
+    seconds.  A signal the event loop does not take up within ``stop_grace`` seconds (it is
+    blocked) ends the process at once (see ``stop_on_signals``).  On cancellation the
+    episodes are cancelled and nothing is checkpointed.
     """
     cfg = config or RolloutConfig()
     if cfg.samples_per_task != 1:
         raise ConfigError("the worker runs one sample per task; set samples_per_task=1")
     out_path, cp_dir = Path(out), Path(checkpoint_dir)
     task_list = list(env.tasks() if tasks is None else tasks)
-    todo, fresh, skipped = await asyncio.to_thread(_plan, env, task_list, out_path, cp_dir)
+    todo, fresh, restarts, skipped, corrupt = await asyncio.to_thread(
+        _plan, env, task_list, out_path, cp_dir
+    )
     logger.info(
         "worker: continuing %d checkpointed episodes, starting %d tasks (%d already done)",
         len(fresh),
@@ -216,28 +322,23 @@ async def run_worker(
         skipped,
     )
     resumed_paths = {cp.episode_id: cp_dir / cp.episode_id for cp in fresh}
-    result = WorkerResult(0, 0, len(fresh), skipped, False, out_path, cp_dir)
+    resumed_paths.update({job.episode_id: cp_dir / job.episode_id for job in restarts})
+    result = WorkerResult(0, 0, len(fresh), skipped, False, out_path, cp_dir, corrupt)
     writer = TrajectoryWriter(out_path)
     await asyncio.to_thread(writer.open)
 
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    installed = []
+    signals = contextlib.ExitStack()
     written = asyncio.Event()
     try:
-        for sig in stop_signals:
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (RuntimeError, ValueError, NotImplementedError) as exc:
-                raise ConfigError(
-                    f"cannot handle {signal.Signals(sig).name} here ({exc}); run the worker on "
-                    "the main thread's event loop or pass stop_signals=()"
-                ) from exc
-            installed.append(sig)
+        signals.enter_context(stop_on_signals(stop, stop_signals, grace=stop_grace))
         async with backend, RolloutEngine(backend, env, cfg, tokenizer=tokenizer) as engine:
 
             async def consume() -> None:
-                run = cast(AsyncGenerator[Trajectory, None], engine.run(todo, checkpoints=fresh))
+                run = cast(
+                    AsyncGenerator[Trajectory, None],
+                    engine.run(todo, checkpoints=fresh, unstarted=restarts),
+                )
                 async with contextlib.aclosing(run) as trajs:
                     async for traj in trajs:
                         await asyncio.to_thread(writer.write, traj)
@@ -273,8 +374,7 @@ async def run_worker(
                     consumer.cancel()
                     await asyncio.wait({consumer})
     finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
+        signals.close()
         await asyncio.to_thread(writer.close)
     return result
 
@@ -290,6 +390,7 @@ __all__ = [
     "read_trajectories",
     "run_worker",
     "run_worker_sync",
+    "stop_on_signals",
 ]
 
 
@@ -315,9 +416,14 @@ def main_worker(
 
     from agentroll.backends.base import SamplingParams
     from agentroll.env import load_environment
+    from agentroll.recipe import EnvironmentSection, RolloutSection, SamplingSection
 
-    if (num_tasks is not None and num_tasks < 1) or concurrency < 1 or max_tokens < 1:
-        raise ConfigError("--tasks, --concurrency and --max-tokens must be >= 1")
+    try:  # the recipe's bounds of the same settings
+        EnvironmentSection.bounds["num_tasks"].check("--tasks", num_tasks)
+        RolloutSection.bounds["concurrency"].check("--concurrency", concurrency)
+        SamplingSection.bounds["max_tokens"].check("--max-tokens", max_tokens)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if backend == "mock" and model is not None:
         raise ConfigError("--model is for the torch backend; drop it with --backend mock")
     environment = load_environment(env)

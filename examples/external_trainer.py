@@ -6,9 +6,12 @@ advantages, importance-weighted by the rollout's behaviour logprobs), acknowledg
 pushes the new weights back as a delta ``WeightUpdate`` while the worker keeps generating.
 
     agentroll worker --recipe examples/recipes/demo.toml --run-dir /tmp/w --port 8600 &
-    python examples/external_trainer.py --url http://127.0.0.1:8600 --model /tmp/w/model
+    python examples/external_trainer.py --url http://127.0.0.1:8600 --model /tmp/w/model \
+        --run-dir /tmp/w
 
-``--model`` is the checkpoint the worker serves (its version 0).  Needs ``transformers``.
+``--model`` is the checkpoint the worker serves (its version 0).  The worker requires its
+bearer token: ``--token``, else ``$AGENTROLL_STREAM_TOKEN``, else the ``stream.token`` the
+worker wrote into ``--run-dir``.  Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, float]]:
     history = []
     async with (
         # it trains on the token arrays: the trajectories' turns and messages are not decoded
-        StreamClient(args.url, token=args.token, conversation=False) as client,
+        StreamClient(
+            args.url, token=args.token, run_dir=args.run_dir, conversation=False
+        ) as client,
         contextlib.aclosing(client.batches(max=args.batch_size, wait=5.0)) as batches,
     ):
         for step in range(args.steps):
@@ -107,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="the worker's stream, http://127.0.0.1:PORT")
     p.add_argument("--model", required=True, help="the checkpoint the worker started from")
-    p.add_argument("--token", default=os.environ.get("AGENTROLL_STREAM_TOKEN"))
+    p.add_argument("--token", help="the worker's token (default: $AGENTROLL_STREAM_TOKEN)")
+    p.add_argument("--run-dir", help="the worker's run directory, holding its stream.token")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)

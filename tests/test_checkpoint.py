@@ -22,6 +22,7 @@ from agentroll.chat import ChatTokenizer
 from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints, load_jobs, save_jobs
 from agentroll.engine.engine import RequestSnapshot
 from agentroll.env import Environment, Rubric, tool
+from agentroll.errors import CheckpointError
 from agentroll.rollout import RolloutConfig, RolloutEngine
 from agentroll.sandbox.base import SandboxConfig
 from agentroll.trajectory_builder import TrajectoryBuilder
@@ -105,7 +106,8 @@ def synthetic(phase: Any = "generating") -> EpisodeCheckpoint:
 def test_save_load_round_trip(tmp_path: Path) -> None:
     cp = synthetic()
     path = cp.save(tmp_path / "e")
-    assert sorted(p.name for p in path.iterdir()) == ["episode.msgpack", "request", "sandbox.tar"]
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["episode.msgpack", "job.msgpack", "request", "sandbox.tar"]
     back = EpisodeCheckpoint.load(path)
     plain = ("pending", "sandbox")
     for field in EpisodeCheckpoint.__struct_fields__:
@@ -172,12 +174,12 @@ def _damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("garbage", "unreadable episode.msgpack"),
-        ("truncated", "unreadable episode.msgpack"),
-        ("no_request", "mid-generation but has no request/"),
-        ("request_meta", "unreadable meta.msgpack"),
-        ("request_k", "unreadable meta.msgpack"),  # was a NotImplementedError
-        ("request_kv", "unreadable kv.safetensors"),
+        ("garbage", r"episode\.msgpack is refused: it has no checkpoint header"),
+        ("truncated", r"episode\.msgpack is refused: it has \d+ payload bytes"),
+        ("no_request", r"request/\S+ is refused: it cannot be read"),
+        ("request_meta", r"request/meta\.msgpack is refused: its xxh3-128 checksum"),
+        ("request_k", r"request/meta\.msgpack is refused: its xxh3-128 checksum"),
+        ("request_kv", r"request/kv\.safetensors is refused: it cannot be read"),
         ("ragged", "ragged token arrays"),
         ("format", "has format 99"),
     ],
@@ -185,9 +187,10 @@ def _damage(path: Path, how: str) -> None:
 def test_damaged_checkpoints_are_refused(tmp_path: Path, how: str, message: str) -> None:
     path = synthetic().save(tmp_path / "e")
     _damage(path, how)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(CheckpointError, match=message) as refused:
         EpisodeCheckpoint.load(path)
-    with pytest.raises(ValueError, match=message):
+    assert "restarts this episode from its task" in str(refused.value)
+    with pytest.raises(CheckpointError, match=message):
         load_checkpoints(tmp_path)
 
 
@@ -670,8 +673,8 @@ async def test_an_episode_closing_its_sandbox_at_a_stop_is_handed_back_finished(
 
 def test_unstarted_jobs_that_cannot_be_read_are_refused_by_name(tmp_path: Path) -> None:
     path = tmp_path / "unstarted.msgpack"
-    path.write_bytes(b"\x91\x01")
-    with pytest.raises(ValueError, match=r"unstarted\.msgpack.*unreadable"):
+    path.write_bytes(b"\x91\x01")  # an unframed list (what older versions wrote)
+    with pytest.raises(CheckpointError, match=r"unstarted\.msgpack is refused: .*no checkpoint"):
         load_jobs(path)
 
 

@@ -40,7 +40,10 @@ async def test_external_trainer_trains_from_the_stream(
     try:
         url = await asyncio.wait_for(asyncio.shield(ready), 60)
         args = ext.parse_args(
-            ["--url", url, "--model", str(tiny_model), "--steps", "2", "--batch-size", "8"]
+            [
+                *("--url", url, "--model", str(tiny_model), "--steps", "2", "--batch-size", "8"),
+                *("--run-dir", str(tmp_path)),  # where the worker wrote its stream.token
+            ]
         )
         history = await ext.main_async(args)
     finally:

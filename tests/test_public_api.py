@@ -11,6 +11,7 @@ EXPECTED = [
     "BufferConfig",
     "ChatTemplateError",
     "ChatTokenizer",
+    "CheckpointError",
     "ConfigError",
     "EnvError",
     "Environment",

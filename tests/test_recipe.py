@@ -48,6 +48,22 @@ def test_errors_name_the_field(text: str, field: str) -> None:
     assert field in str(info.value) and str(info.value).startswith("r.toml: ")
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[sync]\nstrategy = "sometimes"', "sync.strategy: Invalid enum value 'sometimes'"),
+        ("[sync]\nstrateg = 1", "sync: Object contains unknown field `strateg`"),
+        ('[backend]\nreplicas = "two"', "backend.replicas: Expected `int`, got `str`"),
+        ("[rollout]\nconcurrency = 0", "rollout.concurrency = 0 is out of range; use 1..65536"),
+        ("[sampling]\ntop_p = 0", "sampling.top_p = 0.0 is out of range; use (0, 1]"),
+    ],
+)
+def test_errors_lead_with_the_field(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_recipe(text, source="r.toml")
+    assert str(info.value).startswith(f"r.toml: {message}"), str(info.value)
+
+
 def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse_recipe("x = ")
@@ -88,19 +104,19 @@ def test_docker_sandbox_settings_reach_the_environment() -> None:
 
     recipe = parse_recipe(
         '[sandbox]\nbackend = "docker"\nmemory_mb = 512\n'
-        'options = { docker_host = "unix:///x.sock", pool_size = 4, cpus = 0.5 }\n'
+        'options = { docker_host = "unix:///x.sock", pool_size = 4, create_rate = 0.5 }\n'
     )
     assert parse_recipe(dump_recipe(recipe)) == recipe
     config = build_environment(recipe).sandbox_config
     assert config is not None and config.backend == "docker" and config.memory_mb == 512
-    assert config.options == {"docker_host": "unix:///x.sock", "pool_size": 4, "cpus": 0.5}
+    assert config.options == {"docker_host": "unix:///x.sock", "pool_size": 4, "create_rate": 0.5}
 
 
 @pytest.mark.parametrize(
     ("text", "field"),
     [
         ('[sandbox]\nbackend = "docker"\noptions = { pool_sise = 4 }', "pool_sise"),
-        ('[sandbox]\nbackend = "docker"\noptions = { cpus = "many" }', "cpus"),
+        ('[sandbox]\nbackend = "docker"\noptions = { ttl = "long" }', "sandbox.options.ttl"),
         ("[sandbox]\noptions = { cpus = 1.0 }", "sandbox.options"),
         ('[sandbox]\nbackend = "docker"\nmemory_mb = 1', "sandbox.memory_mb"),
     ],

@@ -3,21 +3,25 @@ the key line's exact shape, plots written as PNGs, report.json/report.txt."""
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from agentroll.errors import ConfigError
 from agentroll.metrics import MetricsWriter, read_trace
 from agentroll.report import (
     Report,
+    TimelineLane,
     advice,
     build_report,
     main_report,
     render_table,
     reward_fifths,
+    timeline_lanes,
     write_plots,
 )
 
@@ -327,3 +331,97 @@ def test_main_report_without_trace(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_bytes(b"")
     with pytest.raises(ConfigError, match="no metric records"):
         build_report(tmp_path)
+
+
+# -- the timeline agrees with the table ------------------------------------------------------
+
+
+def make_sampled_run(run_dir: Path, busy: dict[str, float], duration: float = 150.0) -> Path:
+    """Replicas timed as the service samples them (agentroll.service._sample_busy): every
+    0.5 s a busy span then an idle span, the busy share drawn around ``busy[name]``; the
+    last replica starts after a 30 s warm-up and has overlapping busy spans; a trainer."""
+    rng = random.Random(7)
+    names = sorted(busy)
+    with MetricsWriter(run_dir, "worker", clock=lambda: T0) as w:
+        w.event("run", event="start")
+        for name in names:
+            t = T0 + (30.0 if name == names[-1] else 0.0)
+            while t + 0.5 <= T0 + duration:
+                b = min(0.5, max(0.0, rng.gauss(0.5 * busy[name], 0.1)))
+                w.span_at("rollout.busy", t, t + b, component=name)
+                if name == names[-1]:  # counted once by the table, drawn once
+                    w.span_at("rollout.busy", t, t + b / 2, component=name)
+                w.span_at("rollout.idle", t + b, t + 0.5, component=name)
+                t += 0.5
+        for i in range(30):
+            w.span_at("sync", T0 + 5 * i + 1, T0 + 5 * i + 1.2)
+    with MetricsWriter(run_dir, "trainer", clock=lambda: T0) as tr:
+        for i in range(int(duration // 4)):
+            tr.span_at("trainer.idle", T0 + 4 * i, T0 + 4 * i + 1.5)
+            tr.span_at("trainer.busy", T0 + 4 * i + 1.5, T0 + 4 * i + 4)
+        tr.event("run", event="end", t=T0 + duration)
+    return run_dir
+
+
+def _drawn_seconds(lane: TimelineLane, name: str) -> float:
+    return sum(width for _, width in lane.bars.get(name, []))
+
+
+def test_timeline_lanes_draw_the_busy_fractions_of_the_table(tmp_path: Path) -> None:
+    """Per lane, the busy time drawn over the lane's extent is the table's busy fraction,
+    and the idle drawn (background not covered by busy) its idle fraction."""
+    run = make_sampled_run(tmp_path, {"replica-0": 0.8, "replica-1": 0.45})
+    trace = read_trace(run)
+    report = build_report(run, trace)
+    lanes = timeline_lanes(trace)
+    phase = [lane for lane in lanes if lane.family in ("rollout", "trainer")]
+    assert [(lane.component, lane.family) for lane in phase] == [
+        ("replica-0", "rollout"),
+        ("replica-1", "rollout"),
+        ("trainer", "trainer"),
+    ]
+    assert [(lane.component, lane.family) for lane in lanes if lane not in phase] == [
+        ("worker", "sync")
+    ]
+    for lane in phase:
+        table = report.components[lane.component]
+        assert table.busy_fraction is not None and table.idle_fraction is not None
+        extent = lane.end - lane.start
+        busy = _drawn_seconds(lane, f"{lane.family}.busy")
+        idle = _drawn_seconds(lane, f"{lane.family}.idle") - busy
+        assert busy / extent == pytest.approx(table.busy_fraction, abs=0.01)
+        assert idle / extent == pytest.approx(table.idle_fraction, abs=0.01)
+        for start, width in lane.bars[f"{lane.family}.busy"]:
+            assert lane.start - 1e-9 <= start and start + width <= lane.end + 1e-9
+    r0, r1 = (report.components[n].busy_fraction or 0.0 for n in ("replica-0", "replica-1"))
+    assert r0 == pytest.approx(0.8, abs=0.05) and r1 == pytest.approx(0.45, abs=0.05)
+    assert phase[1].start == pytest.approx(30.0)  # drawn from its first span, as measured
+
+
+def _green_share_by_lane(png: Path) -> list[float]:
+    """Mean position of each rollout lane's pixels between idle grey (0) and busy green
+    (1), from the middle row of each band of such pixels, top to bottom."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    img = imread(png)[:, :, :3].astype(float)
+    green, grey = np.array(to_rgb("tab:green")), np.array(to_rgb("lightgray"))
+    axis = green - grey
+    t = (img - grey) @ axis / (axis @ axis)
+    off = np.abs(img - (grey + t[..., None] * axis)).sum(axis=2)
+    on = (off < 0.06) & (t > -0.02) & (t < 1.02)
+    rows = np.flatnonzero(on.sum(axis=1) > 0.5 * img.shape[1])
+    bands = np.split(rows, np.flatnonzero(np.diff(rows) > 1) + 1)
+    return [float(np.clip(t[y][on[y]], 0, 1).mean()) for y in (b[len(b) // 2] for b in bands)]
+
+
+def test_timeline_png_shows_each_replica_as_busy_as_the_table(tmp_path: Path) -> None:
+    """The demo's symptom: replicas 79% busy in the table drawn mostly idle (every 0.5 s
+    window a pixel or two wide, the idle bars' outlines painted over the busy ones).  The
+    PNG's green share of each lane is its busy fraction."""
+    run = make_sampled_run(tmp_path, {"replica-0": 0.8, "replica-1": 0.45})
+    report = build_report(run)
+    write_plots(read_trace(run), run)
+    shares = _green_share_by_lane(run / "timeline.png")
+    expected = [report.components[n].busy_fraction for n in ("replica-1", "replica-0")]
+    assert shares == [pytest.approx(e, abs=0.03) for e in expected]  # replica-0 is drawn lowest

@@ -1,6 +1,7 @@
 import asyncio
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -561,7 +562,14 @@ def live_members(pgid: int) -> list[int]:
 
 
 async def test_tool_hanging_in_sandbox_leaves_no_process(tok: ChatTokenizer, tmp_path: Any) -> None:
-    pidfile = tmp_path / "pid"
+    shared = tmp_path / "shared"  # writable by the sandbox's uid (commands are not root)
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    for parent in (tmp_path, *tmp_path.parents):
+        if parent == Path(tempfile.gettempdir()):
+            break
+        parent.chmod(parent.stat().st_mode | 0o011)
+    pidfile = shared / "pid"
 
     class Sleepy(Environment):
         sandbox_config = SandboxConfig(use_bwrap=False)
@@ -651,3 +659,72 @@ async def test_admission_is_awaited_once_per_group_before_its_samples_start(
         await consumer
     assert len(out) == 8 and admitted == [2, 2, 2, 2]
     assert sorted(t.task_id for t in out[4:]) == ["t2", "t2", "t3", "t3"]
+
+
+class Submit(Calc):
+    """Ends the episode from inside a tool (``submit``) or from its feedback (``env_response``
+    answers a plain turn and says the episode is done); ``reward`` keeps what it was shown."""
+
+    max_turns = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Message] = []
+
+    @tool
+    def submit(self, answer: int, state: EpisodeState) -> str:
+        """Hand in the final answer."""
+        state.data["done"] = True
+        return f"graded {answer}: correct"
+
+    async def env_response(self, messages: list[Message], state: EpisodeState) -> list[Message]:
+        state.data["done"] = True
+        return [Message(role="user", content="feedback: correct")]
+
+    def is_done(self, state: EpisodeState) -> bool:
+        return bool(state.data.get("done"))
+
+    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+        self.seen[:] = trajectory.messages  # the per-episode copy shares this list
+        return 1.0 if trajectory.messages[-1].role != "assistant" else 0.0
+
+
+@pytest.mark.parametrize(
+    ("last", "stop_reason", "tail"),
+    [
+        (call("submit", '{"answer": 42}'), "env_done", ("tool", "graded 42: correct")),
+        ("The answer is 42.", "env_done", ("user", "feedback: correct")),
+        (call("add", '{"a": 40, "b": 2}'), "max_turns", ("tool", "42")),
+    ],
+)
+async def test_the_reply_an_episode_ends_on_is_in_messages_not_in_tokens(
+    tok: ChatTokenizer, last: str, stop_reason: str, tail: tuple[str, str]
+) -> None:
+    """The last turn's tool results (or feedback) used to be only on ``turn.tool_results``:
+    a reward reading ``messages`` missed them.  They are in ``messages`` before ``reward``
+    runs; the tokens still end on the last sampled turn (the model never saw that reply)."""
+    env = Submit()
+    if stop_reason == "max_turns":
+        env.max_turns = 2
+    backend = MockBackend(
+        [call("add", '{"a": 1, "b": 1}'), last], tokenizer=tok, record=True, chunk_size=3
+    )
+    [t] = await run_all(backend, env, tok, tasks(1))
+    assert (t.status == "ok") == (stop_reason == "env_done") and t.stop_reason == stop_reason
+    assert len(t.turns) == 2 and len(backend.requests) == 2
+    assert [(m.role, m.content) for m in t.messages[-1:]] == [tail]
+    assert t.messages[-2].role == "assistant" and t.messages[-3:-2][0].content == "2"
+    if tail[0] == "tool":
+        assert t.messages[-1].tool_call_id == t.turns[1].tool_results[0].call_id == "call_1_0"
+        assert t.messages[-1].name == t.turns[1].tool_results[0].name
+    assert env.seen == t.messages and t.reward == 1.0  # the reward saw the final reply
+    # tokens: the first reply rendered, the last one not; loss_mask 1 exactly on sampled ids
+    first, second = backend.requests
+    expected = list(second.prompt_ids) + backend._ids(second)
+    assert t.token_ids.tolist() == expected and t.token_ids[-1] == tok.eot_id
+    mask = np.zeros(len(expected), dtype=np.uint8)
+    for r in (first, second):
+        mask[len(r.prompt_ids) : len(r.prompt_ids) + len(backend._ids(r))] = 1
+    assert t.loss_mask.tolist() == mask.tolist()
+    assert t.turns[1].env_end == t.turns[1].gen_end == len(expected)
+    assert tail[1] not in tok.decode(expected[len(second.prompt_ids) :])

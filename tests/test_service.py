@@ -13,7 +13,7 @@ from agentroll.metrics import read_trace
 from agentroll.recipe import Recipe, parse_recipe
 from agentroll.rollout import RolloutEngine
 from agentroll.service import RolloutService, cycle_tasks
-from agentroll.stream.client import StreamClient
+from agentroll.stream.client import StreamClient, StreamError
 from agentroll.stream.server import TrajectoryStream
 from agentroll.testing import SyntheticTrainer
 from agentroll.types import Task, Trajectory
@@ -40,15 +40,17 @@ def test_cycle_tasks_repeats_each_epoch_in_a_new_order() -> None:
 
 
 def test_a_damaged_checkpoint_stops_the_start_with_what_to_do(tmp_path: Path) -> None:
-    """A checkpoint left by the last stop that cannot be read is not skipped (its episode
-    would vanish): the start fails with a ConfigError naming it and the way out."""
+    """A checkpoint left by the last stop that is refused and whose sample cannot be read
+    either (no intact job.msgpack) cannot be restarted, and its group would wait for it
+    forever: the start fails with a ConfigError naming it and the way out.  (A refused
+    checkpoint whose sample is known restarts: tests/security/test_checkpoint_integrity.py.)"""
     from agentroll.errors import ConfigError
 
     damaged = tmp_path / "checkpoints" / "episode-1"
     damaged.mkdir(parents=True)
     (damaged / "episode.msgpack").write_bytes(b"\x93not a checkpoint")
     service = RolloutService(parse_recipe(HEAD), model_dir=tmp_path, run_dir=tmp_path)
-    with pytest.raises(ConfigError, match=r"episode-1.*move what is damaged out of"):
+    with pytest.raises(ConfigError, match=r"episode-1.*task is unknown.*move \S+episode-1 out"):
         service._load_stopped()
 
 
@@ -64,10 +66,9 @@ async def test_what_a_stop_saved_stays_until_published_and_is_not_published_twic
     import msgspec
 
     from agentroll.bench_stream import synthetic_trajectory
-    from agentroll.checkpoint import EpisodeJob, save_jobs
+    from agentroll.checkpoint import EpisodeJob, save_finished, save_jobs
     from agentroll.errors import ConfigError
     from agentroll.service import FINISHED, UNSTARTED
-    from agentroll.worker import TrajectoryWriter
 
     def member(group: str, index: int) -> Trajectory:
         t = synthetic_trajectory(hash((group, index)) % 1000, 64, turns=2)
@@ -80,11 +81,8 @@ async def test_what_a_stop_saved_stays_until_published_and_is_not_published_twic
     service = RolloutService(recipe, model_dir=tmp_path, run_dir=tmp_path)
     cp_dir = tmp_path / "checkpoints"
     # the stop saved "a" and "b" (finished first samples) and their second samples, unstarted
-    writer = TrajectoryWriter(cp_dir / FINISHED)
-    writer.open()
-    for t in (member("a", 0), member("b", 0)):
-        writer.write(t)
-    writer.close()
+    cp_dir.mkdir()
+    save_finished(cp_dir / FINISHED, [member("a", 0), member("b", 0)])
     jobs = [job("a", 1), job("b", 1)]
     save_jobs(cp_dir / UNSTARTED, jobs)
     # the next run published group "a" and was killed before it removed the files
@@ -133,7 +131,7 @@ async def test_serve_sync_stop_and_continue(
     seen: dict[str, Trajectory] = {}
 
     task, stop, url = await _serve(recipe, tiny_model, tmp_path)
-    async with StreamClient(url) as client:
+    async with StreamClient(url, run_dir=tmp_path) as client:
         for _ in range(3):
             batch = await client.lease(8, wait=30, trainer_version=trainer.version)
             assert batch is not None and len(batch.trajectories) % 2 == 0
@@ -168,9 +166,15 @@ async def test_serve_sync_stop_and_continue(
     held_ids = {t.id for t in held.trajectories}
     task, stop, url = await _serve(recipe, tiny_model, tmp_path)
     got: set[str] = set()
-    async with StreamClient(url) as client:
+    async with StreamClient(url, run_dir=tmp_path) as client:  # the token the start kept
+        # the restarted worker serves the checkpoint's weights: the trainer reports the
+        # version the worker has (its own is refused until it pushes weights again)
+        served = (await client.status())["policy_version"]
+        assert served == 0 and trainer.version == 3
+        with pytest.raises(StreamError, match="409"):
+            await client.lease(16, trainer_version=trainer.version)
         while not held_ids <= got:
-            batch = await client.lease(16, wait=30, trainer_version=trainer.version)
+            batch = await client.lease(16, wait=30, trainer_version=served)
             assert batch is not None
             ids = {t.id for t in batch.trajectories}
             assert not ids & set(seen), "an acknowledged trajectory was offered again"
@@ -189,7 +193,7 @@ async def test_on_policy_mode_never_hands_out_or_drops_stale_data(
     trainer = SyntheticTrainer(tiny_model, fraction=0.01, seed=1)
     task, stop, url = await _serve(recipe, tiny_model, tmp_path)
     try:
-        async with StreamClient(url) as client:
+        async with StreamClient(url, run_dir=tmp_path) as client:
             for _ in range(3):
                 got: list[Trajectory] = []
                 while len(got) < 8:
@@ -250,7 +254,7 @@ async def test_a_stop_while_the_producer_is_held_loses_no_finished_episode(
     task, stop, url = await _serve(recipe, tiny_model, tmp_path)
     got: set[str] = set()
     try:
-        async with StreamClient(url) as client, asyncio.timeout(120):
+        async with StreamClient(url, run_dir=tmp_path) as client, asyncio.timeout(120):
             while not before_stop <= got:
                 batch = await client.lease(16, wait=30)
                 assert batch is not None, f"never delivered: {sorted(before_stop - got)}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,11 +216,11 @@ async def test_the_worker_refuses_what_it_cannot_continue(
     minimal_cp("someone_else").save(cp_dir / "e1")
     with pytest.raises(ConfigError, match="checkpoint of environment 'someone_else'"):
         await run()
-    minimal_cp("stoppable").save(cp_dir / "e1")
-    (cp_dir / "e1" / "episode.msgpack").write_bytes(b"\x00damaged")
-    with pytest.raises(ConfigError, match=r"cannot continue: .*e1 has an unreadable"):
+    shutil.rmtree(cp_dir / "e1")
+    (tmp_path / "out.jsonl").write_bytes(b"{not a trajectory}\n")
+    with pytest.raises(ConfigError, match=r"cannot continue: .*out\.jsonl: record 1"):
         await run()
-    assert not (tmp_path / "out.jsonl").exists()  # refused before anything ran
+    assert (tmp_path / "out.jsonl").read_bytes() == b"{not a trajectory}\n"  # refused first
 
 
 def minimal_cp(env_name: str) -> EpisodeCheckpoint:

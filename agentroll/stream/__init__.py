@@ -1,13 +1,17 @@
 """Trajectory stream: rollout workers serve finished trajectories, trainers lease and ack them.
 
 Worker API (``stream_app``; all bodies msgpack, JSON with ``Accept``/``Content-Type:
-application/json``): ``POST /v1/lease`` (``max``, ``wait``, ``trainer_version``; 200
-``LeaseBatch`` or 204), ``POST /v1/ack`` (``{"ids": [...]}`` -> ``{"acked": n}``),
-``POST /v1/weights`` (a streamed ``WeightUpdate``), ``GET /v1/status``, ``GET /metrics``.
-Invariant: a trajectory is fsync'd to the spool before it is offered and leaves it only when
-acknowledged; the client dedupes by id, so a consumer sees each trajectory exactly once.
+application/json``): ``POST /v1/lease`` (``max``, ``wait``, ``trainer_version``: at most the
+version of the last weights pushed; 200 ``LeaseBatch`` or 204, 409 above it), ``POST
+/v1/ack`` (``{"ids": [...]}`` -> ``{"acked": n}``), ``POST /v1/weights`` (a streamed
+``WeightUpdate``), ``GET /v1/status``, ``GET /metrics``.  Every route requires
+``Authorization: Bearer <token>``; a worker writes its token to ``<run_dir>/stream.token``
+(``agentroll.stream.auth``).  Invariant: a trajectory is fsync'd to the spool before it is
+offered and leaves it only when acknowledged, or dropped as stale into the spool's dropped
+segment (counted); the client dedupes by id, so a consumer sees each trajectory exactly once.
 """
 
+from agentroll.stream.auth import TOKEN_FILE, ensure_token, load_token
 from agentroll.stream.client import (
     AckReply,
     AckRequest,
@@ -17,12 +21,15 @@ from agentroll.stream.client import (
     StreamError,
     Undecodable,
 )
+from agentroll.stream.http import HTTPConfig
 from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream, stream_app
-from agentroll.stream.spool import Spool, SpoolConfig, SpoolRecord, SpoolStats
+from agentroll.stream.spool import Spool, SpoolConfig, SpoolRecord, SpoolStats, read_dropped
 
 __all__ = [
+    "TOKEN_FILE",
     "AckReply",
     "AckRequest",
+    "HTTPConfig",
     "LeaseBatch",
     "LeaseRequest",
     "Spool",
@@ -34,6 +41,9 @@ __all__ = [
     "StreamError",
     "TrajectoryStream",
     "Undecodable",
+    "ensure_token",
+    "load_token",
+    "read_dropped",
     "serve_stream",
     "stream_app",
 ]

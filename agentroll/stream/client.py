@@ -29,6 +29,7 @@ import numpy as np
 
 from agentroll._fs import fsync_path
 from agentroll.errors import ConfigError, StreamError
+from agentroll.stream.auth import TOKEN_ENV, check_token, load_token
 from agentroll.types import (
     TOKEN_ARRAY_DTYPES,
     Trajectory,
@@ -684,6 +685,9 @@ async def _first_reply(leasing: collections.deque[asyncio.Future[_Reply]]) -> _R
 class StreamClient:
     """Consume a worker's trajectory stream at ``url`` (e.g. ``http://127.0.0.1:8600``).
 
+    ``token``: the worker's bearer token; None takes ``load_token(run_dir, env=token_env)``
+    (``$AGENTROLL_STREAM_TOKEN``, else the worker's ``<run_dir>/stream.token``), and
+    ``ConfigError`` says where to find one when neither has it: every worker requires one.
     ``format``: body encoding of requests and replies (msgpack is ~3x denser than JSON's
     base64 arrays).  ``seen_path``: a file of acknowledged ids that makes the dedupe survive
     a restart of the consumer (it grows by ~40 bytes per trajectory).  ``timeout``: seconds
@@ -704,6 +708,8 @@ class StreamClient:
         url: str,
         *,
         token: str | None = None,
+        run_dir: str | Path | None = None,
+        token_env: str = TOKEN_ENV,
         format: WireFormat = "msgpack",
         seen_path: str | Path | None = None,
         timeout: float = 30.0,
@@ -719,8 +725,10 @@ class StreamClient:
             raise ConfigError(f"StreamClient format={format!r}; use 'msgpack' or 'json'")
         if timeout <= 0:
             raise ConfigError(f"StreamClient timeout={timeout}; use a positive number of seconds")
+        if token is None:
+            token = load_token(run_dir, env=token_env)
         self.url = url.rstrip("/")
-        self.token = token
+        self.token = check_token(token, "StreamClient token")
         self.format: WireFormat = format
         self.timeout = timeout
         self.conversation = conversation
@@ -730,8 +738,7 @@ class StreamClient:
         self.seen_path = Path(seen_path) if seen_path is not None else None
         self._mime = MSGPACK if format == "msgpack" else JSON
         headers = {"accept": self._mime, "content-type": self._mime}
-        if token is not None:
-            headers["authorization"] = f"Bearer {token}"
+        headers["authorization"] = f"Bearer {self.token}"
         self._headers = headers
         self._client = httpx.AsyncClient(
             base_url=self.url,
@@ -816,8 +823,9 @@ class StreamClient:
             return
         if status == 401:
             raise StreamError(
-                f"the worker at {self.url} refused {path}: wrong or missing token; pass the "
-                "worker's token as StreamClient(token=...)"
+                f"the worker at {self.url} refused {path}: wrong token; pass the worker's "
+                "token as StreamClient(token=...), or its run directory as run_dir=... (the "
+                "worker writes it to <run_dir>/stream.token)"
             )
         text = bytes(data[:4096]).decode("utf-8", "replace").strip()
         raise StreamError(f"the worker at {self.url} refused {path}: HTTP {status}: {text}")

@@ -16,8 +16,14 @@ Invariants:
   and reading pauses while more than ``_BODY_QUEUE`` bytes of it wait to be consumed; a
   response sent before its request's body was read closes the connection after it (after a
   half-close, so the peer reads the response rather than a reset);
-- a connection that holds no complete request head for ``_IDLE_TIMEOUT`` seconds (idle
-  keep-alive, or a head sent a byte at a time) is closed;
+- every wait on the peer is bounded (``HTTPConfig``): a request head must be complete
+  ``head_timeout`` seconds after the connection opened or the head's first byte came, a
+  handler reading the body gets 408 after ``body_timeout`` seconds without a byte of it (the
+  connection then closes), an idle keep-alive connection is closed after ``idle_timeout``;
+- connections are capped per client address and in all; a new one over a cap takes the
+  place of the oldest idle one that never sent the right token, else it gets 503 and is
+  closed at once; the cap is kept below ``RLIMIT_NOFILE`` (checked at start: the soft limit
+  is raised, or the cap lowered with a warning), so the spool never runs out of descriptors;
 - the descriptors a ``Response`` owns are closed once it was sent or failed (or the
   connection is gone), so the files it reads may be unlinked meanwhile.
 """
@@ -29,7 +35,9 @@ import collections
 import contextlib
 import hmac
 import logging
+import math
 import os
+import resource
 import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import httptools
+import msgspec
 
 from agentroll._net import is_loopback
 from agentroll.errors import ConfigError
@@ -49,7 +58,44 @@ _MAX_HEADERS = 128
 _BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
 _PIPELINE = 16  # requests waiting behind the current one before reading pauses
 _LINGER = 5.0  # seconds a closing connection discards what the peer still sends
-_IDLE_TIMEOUT = 75.0  # seconds a connection may wait for a complete request head
+#: descriptors kept free of connections for the rest of the process (the spool's segment and
+#: ack files, sandboxes' pipes, model files), and the most one connection holds at once (its
+#: socket, a dup of it during sendfile, the spool files a lease response reads)
+_FDS_RESERVED = 512
+_FDS_PER_CONNECTION = 3
+
+
+class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Time limits and connection caps of ``serve``; invalid values raise ``ConfigError``.
+
+    ``head_timeout``: seconds from a connection's start, or a request's first byte, to its
+    complete head; ``body_timeout``: seconds a handler reading the body waits for its next
+    bytes (408, and the connection closes); ``idle_timeout``: seconds a keep-alive connection
+    waits for its next request; ``max_connections`` and ``max_connections_per_client``:
+    connections held at once, in all and from one client address."""
+
+    head_timeout: float = 10.0
+    body_timeout: float = 10.0
+    idle_timeout: float = 75.0
+    max_connections: int = 512
+    max_connections_per_client: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("head_timeout", "body_timeout", "idle_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise ConfigError(
+                    f"HTTPConfig.{name}={value!r}; use a finite number of seconds > 0"
+                )
+        for name in ("max_connections", "max_connections_per_client"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"HTTPConfig.{name}={value!r}; use an int >= 1")
+        if self.max_connections_per_client > self.max_connections:
+            raise ConfigError(
+                f"HTTPConfig.max_connections_per_client={self.max_connections_per_client} "
+                f"exceeds max_connections={self.max_connections}; use at most that"
+            )
 
 
 class _Reject(Exception):
@@ -187,7 +233,16 @@ class Request:
             if self._conn.lost.done():
                 raise ConnectionError("the client closed the connection during the request body")
             self._arrived.clear()
-            await self._arrived.wait()  # set by the connection on more data, the end or loss
+            timeout = self._conn.config.body_timeout
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._arrived.wait()  # set by the connection on data, the end, loss
+            except TimeoutError:
+                raise HTTPError(
+                    408,
+                    f"no byte of the request body came for {timeout:g} s "
+                    "(HTTPConfig.body_timeout); send the body right after the head",
+                ) from None
 
     async def body(self, limit: int) -> bytes:
         """The whole body; ``HTTPError(413)`` beyond ``limit`` bytes (declared or sent)."""
@@ -208,6 +263,8 @@ class App:
 
     def __post_init__(self) -> None:
         if self.token is not None:
+            if not self.token.strip():
+                raise ConfigError("App token is empty; give a non-empty bearer token or None")
             self._expected = f"Bearer {self.token}".encode()
 
     async def handle(self, request: Request) -> Response:
@@ -217,9 +274,12 @@ class App:
                 return Response.text(
                     401,
                     "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
-                    "the token the worker was started with",
+                    "the token the worker was started with (its run directory's "
+                    "stream.token, or $AGENTROLL_STREAM_TOKEN)",
                     [("www-authenticate", "Bearer")],
                 )
+            # a client that proved it holds the token: its connection is never evicted
+            request._conn.trusted = True
         methods = self.routes.get(request.path)
         if methods is None:
             return Response.text(404, f"no route {request.path!r}")
@@ -254,6 +314,11 @@ class _Connection(asyncio.Protocol):
         self._closing = False
         self._discard = False  # after a half-close: what arrives is dropped
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # a request head has begun and is not complete
+        self.config = server.config
+        self.client = ""  # the peer's address: what max_connections_per_client counts
+        self.trusted = False  # sent the app's token once (a connection kept over an idle one)
+        self.counted = False  # held in the server's connection tables
 
     # asyncio.Protocol ----------------------------------------------------------------------
 
@@ -263,11 +328,19 @@ class _Connection(asyncio.Protocol):
         # pause_writing as soon as anything is buffered, resume_writing when it drained:
         # the signal that a sendfile may start
         transport.set_write_buffer_limits(high=0, low=0)
-        self._server.connections.add(self)
-        self._arm_idle()
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        refused = self._server.admit(self)
+        if refused is not None:
+            self._closing = self._discard = True
+            self._write_head(Response.text(503, refused), close=True)
+            transport.write(refused.encode())
+            transport.close()
+            return
+        self._arm_timer(self.config.head_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
+        self._server.forget(self)
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         if not self.lost.done():
@@ -310,6 +383,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._head, self._head_bytes = b"", {}, 0
+        self._in_head = True
+        if self._task is None:  # the head's first byte: from now on head_timeout applies
+            self._arm_timer(self.config.head_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -325,6 +401,7 @@ class _Connection(asyncio.Protocol):
         self._head[key] = f"{self._head[key]}, {text}" if key in self._head else text
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
@@ -422,7 +499,10 @@ class _Connection(asyncio.Protocol):
             if self._closing and not self._discard:
                 self._half_close()
             elif not self._pending:
-                self._arm_idle()
+                # a head begun meanwhile (pipelined) has head_timeout; none, idle_timeout
+                self._arm_timer(
+                    self.config.head_timeout if self._in_head else self.config.idle_timeout
+                )
 
     async def _respond(self, request: Request) -> Response:
         try:
@@ -500,12 +580,12 @@ class _Connection(asyncio.Protocol):
         if self.lost.done():
             raise ConnectionError("the client closed the connection during the response")
 
-    def _arm_idle(self) -> None:
-        """Close the connection if no complete request head arrives within
-        ``_IDLE_TIMEOUT`` seconds (an idle keep-alive or a trickled head)."""
+    def _arm_timer(self, seconds: float) -> None:
+        """Close the connection if no complete request head arrives within ``seconds``
+        (an idle keep-alive, a head sent a byte at a time, a connection that sends nothing)."""
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        self._idle_timer = self._loop.call_later(_IDLE_TIMEOUT, self._idle_close)
+        self._idle_timer = self._loop.call_later(seconds, self._idle_close)
 
     def _idle_close(self) -> None:
         self._idle_timer = None
@@ -537,6 +617,12 @@ class _Connection(asyncio.Protocol):
         if self._task is None and self.transport is not None:
             self.transport.close()
 
+    @property
+    def evictable(self) -> bool:
+        """Whether a new connection may take this one's place: it never sent the token and
+        no request of it is being answered."""
+        return not self.trusted and self._task is None
+
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # a selector callback may run again before it is removed
@@ -544,12 +630,61 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 class _Server:
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, config: HTTPConfig) -> None:
         self.app = app
-        self.connections: set[_Connection] = set()
+        self.config = config
+        # held connections, oldest first (dicts keep insertion order), in all and per client
+        self.connections: dict[_Connection, None] = {}
+        self.by_client: dict[str, dict[_Connection, None]] = {}
         self.active = 0  # handlers running
         self.idle = asyncio.Event()
         self.closing = False
+        self.refused = 0  # connections answered 503 (over a cap)
+        self.evicted = 0  # idle connections without the token closed for a new one
+
+    def admit(self, conn: _Connection) -> str | None:
+        """Count ``conn`` in, making room by evicting the oldest evictable connection where
+        a cap is reached; the 503 message when there is no room."""
+        cfg = self.config
+        mine = self.by_client.get(conn.client, {})
+        if len(mine) >= cfg.max_connections_per_client and not self._evict(mine):
+            self.refused += 1
+            return (
+                f"too many connections from {conn.client} (HTTPConfig."
+                f"max_connections_per_client={cfg.max_connections_per_client}); close idle "
+                "ones and retry"
+            )
+        if len(self.connections) >= cfg.max_connections and not self._evict(self.connections):
+            self.refused += 1
+            return (
+                f"the server holds its most connections (HTTPConfig.max_connections="
+                f"{cfg.max_connections}); retry later"
+            )
+        conn.counted = True
+        self.connections[conn] = None
+        self.by_client.setdefault(conn.client, {})[conn] = None
+        return None
+
+    def _evict(self, pool: dict[_Connection, None]) -> bool:
+        victim = next((c for c in pool if c.evictable), None)
+        if victim is None:
+            return False
+        self.forget(victim)
+        self.evicted += 1
+        victim._abort()
+        return True
+
+    def forget(self, conn: _Connection) -> None:
+        """Stop counting ``conn`` (idempotent)."""
+        if not conn.counted:
+            return
+        conn.counted = False
+        self.connections.pop(conn, None)
+        mine = self.by_client.get(conn.client)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.by_client[conn.client]
 
 
 def _bulk_sndbuf() -> int | None:
@@ -572,6 +707,58 @@ def sndbuf_choice(wmem_max: int, autotune_max: int) -> int | None:
     return wmem_max if 2 * wmem_max > autotune_max else None
 
 
+def nofile_plan(max_connections: int, soft: int, hard: int) -> tuple[int, int]:
+    """``(soft RLIMIT_NOFILE to set, connections to allow)`` so that ``max_connections``
+    connections leave ``_FDS_RESERVED`` descriptors to the rest of the process: the soft
+    limit rises toward what is needed (up to ``hard``; ``resource.RLIM_INFINITY``: no bound),
+    and the cap falls to what the result allows (pure).  Raises ``ConfigError`` when the
+    hard limit leaves no room for one connection."""
+    need = _FDS_RESERVED + _FDS_PER_CONNECTION * max_connections
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft, max_connections
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    target = max(target, soft)
+    allowed = min(max_connections, (target - _FDS_RESERVED) // _FDS_PER_CONNECTION)
+    if allowed < 1:
+        raise ConfigError(
+            f"RLIMIT_NOFILE (soft {soft}, hard {hard}) leaves no descriptors for connections "
+            f"beside the {_FDS_RESERVED} kept for the spool and the rest; raise it "
+            f"(ulimit -n {need})"
+        )
+    return target, allowed
+
+
+def _fit_nofile(config: HTTPConfig, what: str) -> HTTPConfig:
+    """``config`` with its caps lowered to what RLIMIT_NOFILE allows, after raising the soft
+    limit as far as needed and the hard limit lets it (see ``nofile_plan``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target, allowed = nofile_plan(config.max_connections, soft, hard)
+    if target != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("raised the soft RLIMIT_NOFILE from %d to %d for %s", soft, target, what)
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the soft RLIMIT_NOFILE to %d: %s", target, exc)
+            target, allowed = nofile_plan(config.max_connections, soft, soft)
+    if allowed < config.max_connections:
+        logger.warning(
+            "serving %s with at most %d connections, not HTTPConfig.max_connections=%d: "
+            "RLIMIT_NOFILE (soft %d, hard %d) has no room for more beside the spool; raise "
+            "`ulimit -n` to allow them",
+            what,
+            allowed,
+            config.max_connections,
+            target,
+            hard,
+        )
+        config = msgspec.structs.replace(
+            config,
+            max_connections=allowed,
+            max_connections_per_client=min(config.max_connections_per_client, allowed),
+        )
+    return config
+
+
 @contextlib.asynccontextmanager
 async def serve(
     app: App,
@@ -581,15 +768,17 @@ async def serve(
     what: str = "the API",
     on_exit: Callable[[], None] | None = None,
     grace: float = 5.0,
+    config: HTTPConfig | None = None,
 ) -> AsyncIterator[str]:
     """Serve ``app`` for the duration of the block; yields the base URL (``port=0`` picks a
     free port).  A non-loopback ``host`` needs ``app.token`` (``ConfigError`` naming
-    ``what`` otherwise).  On exit: ``on_exit`` runs (e.g. to end long-polls), the listener
-    closes, requests being answered get up to ``grace`` seconds, then every connection is
-    closed, also when the block is cancelled."""
+    ``what`` otherwise).  ``config``: time limits and connection caps (the caps lowered to
+    what RLIMIT_NOFILE allows).  On exit: ``on_exit`` runs (e.g. to end long-polls), the
+    listener closes, requests being answered get up to ``grace`` seconds, then every
+    connection is closed, also when the block is cancelled."""
     if app.token is None and not is_loopback(host):
         raise ConfigError(f"serving {what} on {host!r} needs a token (or bind 127.0.0.1)")
-    state = _Server(app)
+    state = _Server(app, _fit_nofile(config or HTTPConfig(), what))
     sock = socket.create_server((host, port))
     # small replies must not wait for the client's delayed ACK (accepted sockets inherit it)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -3,13 +3,16 @@
 Invariants: a group is appended and fsync'd to the spool before the buffer can offer it
 (publishers share fsyncs: group commit; acks commit in their own lane, so the two fsyncs
 overlap); an ack is durable in the spool before the reply says so; trajectories the buffer
-drops as stale are acknowledged in the spool (never offered again); at start-up every
-unacknowledged spool record is restored into the buffer.  ``status()`` is one consistent
+drops as stale are copied to the spool's dropped segment (kept up to its retention limit,
+counted) and then acknowledged there (never offered again); a lease's ``trainer_version``
+above the newest weights the worker received is refused (409), so no request can make the
+buffer drop what it holds; at start-up every unacknowledged spool record is restored into
+the buffer.  ``status()`` is one consistent
 snapshot: its ``published``, ``acked`` and ``dropped_stale`` are what the spool beside them
 holds, also while a commit is half done (``counters`` count callers answered and drops
 decided, which run a commit behind or ahead of the spool).  The API answers every bad
-request with a 4xx and a message and keeps serving; binding a non-loopback host needs a
-token, and with a token every route requires ``Authorization: Bearer``.
+request with a 4xx and a message and keeps serving; every route requires
+``Authorization: Bearer <token>`` (``agentroll.stream.auth``: a worker always has one).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import msgspec
 
 from agentroll.buffer import BufferConfig, Lease, TrajectoryBuffer
 from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.stream.auth import check_token
 from agentroll.stream.client import (
     JSON,
     MSGPACK,
@@ -38,23 +42,42 @@ from agentroll.stream.client import (
     LeaseBatch,
     LeaseRequest,
 )
-from agentroll.stream.http import App, FileRange, Handler, HTTPError, Request, Response, serve
+from agentroll.stream.http import (
+    App,
+    FileRange,
+    Handler,
+    HTTPConfig,
+    HTTPError,
+    Request,
+    Response,
+    serve,
+)
 from agentroll.stream.spool import Spool, SpoolConfig
 from agentroll.types import Trajectory, decode_json, decode_msgpack, encode_json, encode_msgpack
 
 if TYPE_CHECKING:
+    from agentroll.weights.transport import UpdateHeader
     from agentroll.weights.update import WeightUpdate
 
 logger = logging.getLogger("agentroll.stream.server")
+_NO_WEIGHTS = (
+    "this worker takes no weight updates (no on_weights callback); start it with "
+    "TrajectoryStream(..., on_weights=backend_apply)"
+)
 OnWeights = Callable[["WeightUpdate"], Awaitable[None]]
+CheckWeights = Callable[["UpdateHeader"], None]
 
 
 class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Static settings of a ``TrajectoryStream`` and its HTTP API.
 
     ``max_body_bytes``: limit of lease/ack request bodies (413 beyond);
-    ``max_weights_bytes``: limit of a weight upload; ``max_lease``: most trajectories per
-    lease; ``max_wait``: longest long-poll a lease may ask for (seconds)."""
+    ``max_weights_bytes``: limit of a weight upload's payloads, judged from its header before
+    any payload is read (413 beyond); where the worker knows its model (``check_weights``),
+    each tensor's payload is also bounded by its shape, so an update is at most the model's
+    bytes (full) or about twice that (delta); ``max_lease``: most trajectories per lease;
+    ``max_wait``: longest long-poll a lease may ask for (seconds); ``http``: the HTTP
+    server's time limits and connection caps."""
 
     buffer: BufferConfig = BufferConfig()
     spool: SpoolConfig = SpoolConfig()
@@ -62,6 +85,7 @@ class StreamConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_weights_bytes: int = 64 << 30
     max_lease: int = 4096
     max_wait: float = 60.0
+    http: HTTPConfig = HTTPConfig()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -198,7 +222,9 @@ class TrajectoryStream:
     """A spool directory and a ``TrajectoryBuffer`` behind one producer/consumer API.
 
     ``on_weights`` applies a ``WeightUpdate`` to the worker's backend (raise
-    ``WeightSyncError`` to refuse it).  ``clock`` is the buffer's clock (lease ttl).
+    ``WeightSyncError`` to refuse it); ``check_weights`` judges an upload's header frame
+    before any payload is read (raise ``WeightSyncError`` to refuse it: wrong base version,
+    tensors that do not match the model).  ``clock`` is the buffer's clock (lease ttl).
     At start-up, unacknowledged records are restored grouped by ``group_id`` in spool order;
     a group only partly in the spool (the rest was acknowledged) is restored as what it has.
     Use as ``async with TrajectoryStream(dir) as stream``; the exit drains pending commits
@@ -210,12 +236,14 @@ class TrajectoryStream:
         config: StreamConfig | None = None,
         *,
         on_weights: OnWeights | None = None,
+        check_weights: CheckWeights | None = None,
         policy_version: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spool_dir = Path(spool_dir)
         self.config = config or StreamConfig()
         self.on_weights = on_weights
+        self.check_weights = check_weights
         self.policy_version = policy_version
         self._clock = clock
         self.buffer = TrajectoryBuffer(self.config.buffer, clock=clock, on_drop=self._on_drop)
@@ -380,7 +408,8 @@ class TrajectoryStream:
                 job.result = spool.ack(job.ack_ids, sync=False)
                 self._in_spool["acked"] += job.result
             if drops:  # one the trainer acknowledged meanwhile stays counted as acked
-                self._in_spool["dropped_stale"] += spool.ack(drops, sync=False)
+                # copied to the dropped segment (durable) before the ack lets it go
+                self._in_spool["dropped_stale"] += spool.drop(drops, sync=False)
         spool.sync_acks(collect=False)
 
     def _on_drop(self, trajectories: list[Trajectory]) -> None:
@@ -413,11 +442,25 @@ class TrajectoryStream:
             self.buffer.restore([group])
             raise
 
+    def check_trainer_version(self, version: int | None) -> None:
+        """Raise ValueError when ``version`` is above the newest weights this worker received
+        (``policy_version``): staleness is measured against it, and a version no weights
+        had would make the buffer drop everything it holds and every group after it."""
+        if version is not None and version > self.policy_version:
+            raise ValueError(
+                f"trainer_version={version} is above the newest weights this worker received "
+                f"(version {self.policy_version}); send the version of the last weights you "
+                "pushed (GET /v1/status: policy_version), not a step count, and push newer "
+                "weights (POST /v1/weights) before you report them"
+            )
+
     async def lease(
         self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
     ) -> Lease | None:
         """Lease whole groups (up to ``max_trajectories``), waiting up to ``wait`` seconds;
-        None if none came.  See ``TrajectoryBuffer.lease``."""
+        None if none came.  See ``TrajectoryBuffer.lease``.  Raises ValueError for a
+        ``trainer_version`` above ``policy_version`` (``check_trainer_version``)."""
+        self.check_trainer_version(trainer_version)
         lease = await self.buffer.lease(
             max_trajectories, timeout=wait, trainer_version=trainer_version
         )
@@ -445,15 +488,20 @@ class TrajectoryStream:
         self.counters["acked"] += acked
         return acked
 
+    def check_upload(self, header: UpdateHeader) -> None:
+        """Judge an upload from its header frame, before any payload byte is read: raises
+        ``WeightSyncError`` when there is no ``on_weights`` or ``check_weights`` refused it."""
+        if self.on_weights is None:
+            raise WeightSyncError(_NO_WEIGHTS)
+        if self.check_weights is not None:
+            self.check_weights(header)
+
     async def apply_weights(self, update: WeightUpdate) -> None:
         """Apply ``update`` through ``on_weights``, then make its version the policy and the
         buffer's trainer version (re-checking staleness).  Raises ``WeightSyncError`` when
         there is no ``on_weights`` or it refused the update."""
         if self.on_weights is None:
-            raise WeightSyncError(
-                "this worker takes no weight updates (no on_weights callback); start it with "
-                "TrajectoryStream(..., on_weights=backend_apply)"
-            )
+            raise WeightSyncError(_NO_WEIGHTS)
         await self.on_weights(update)
         self.policy_version = update.version
         self.counters["weight_updates"] += 1
@@ -500,6 +548,8 @@ class TrajectoryStream:
         for key, value in status["stream"].items():
             emit(f"agentroll_stream_{key}_total", "counter", value)
         gauges = {"queued", "leased", "capacity", "waiting_producers", "open_leases"}
+        spool_gauges = {"records", "bytes", "segments", "ack_log_bytes"}
+        spool_gauges |= {"dropped_records", "dropped_bytes"}
         for key, value in status["buffer"].items():
             if key == "staleness":
                 for k, n in value.items():
@@ -508,9 +558,7 @@ class TrajectoryStream:
                 kind = "gauge" if key in gauges else "counter"
                 emit(f"agentroll_buffer_{key}{'_total' if kind == 'counter' else ''}", kind, value)
         for key, value in status["spool"].items():
-            kind = (
-                "gauge" if key in {"records", "bytes", "segments", "ack_log_bytes"} else "counter"
-            )
+            kind = "gauge" if key in spool_gauges else "counter"
             emit(f"agentroll_spool_{key}{'_total' if kind == 'counter' else ''}", kind, value)
         return "\n".join(lines) + "\n"
 
@@ -557,12 +605,12 @@ def _reply(request: Request, obj: Any) -> Response:
     return Response.data(encode_msgpack(obj), MSGPACK)
 
 
-def stream_app(
-    stream: TrajectoryStream, *, token: str | None = None, stop: asyncio.Event | None = None
-) -> App:
+def stream_app(stream: TrajectoryStream, *, token: str, stop: asyncio.Event | None = None) -> App:
     """The worker's HTTP API over ``stream`` (routes in the module docstring of
-    ``agentroll.stream``), for ``agentroll.stream.http.serve``.  ``stop``, once set, ends
-    pending long-polls with 204."""
+    ``agentroll.stream``), for ``agentroll.stream.http.serve``; every route requires
+    ``token`` (``ConfigError`` when it is empty; see ``agentroll.stream.auth``).  ``stop``,
+    once set, ends pending long-polls with 204."""
+    token = check_token(token, "the stream token")
     config = stream.config
     stop = stop or asyncio.Event()
 
@@ -585,6 +633,10 @@ def stream_app(
             raise HTTPError(400, f"wait={req.wait}; use 0 to {config.max_wait} seconds")
         if req.trainer_version is not None and req.trainer_version < 0:
             raise HTTPError(400, f"trainer_version={req.trainer_version}; use >= 0")
+        try:
+            stream.check_trainer_version(req.trainer_version)
+        except ValueError as exc:
+            raise HTTPError(409, str(exc)) from exc
         task = asyncio.ensure_future(
             stream.lease(req.max, wait=req.wait, trainer_version=req.trainer_version)
         )
@@ -625,14 +677,29 @@ def stream_app(
         return _reply(request, AckReply(acked=await stream.ack(req.ids)))
 
     async def weights(request: Request) -> Response:
-        from agentroll.weights.transport import FrameDecoder
+        from agentroll.weights.transport import (
+            MAGIC,
+            MAX_HEADER_BYTES,
+            FrameDecoder,
+            UpdateRefusedError,
+            UpdateTooLargeError,
+        )
 
-        decoder = FrameDecoder()
+        # the header frame is judged before a payload byte is read; a refusal is answered
+        # at once and the connection closes after it (the rest of the body is never read)
+        hint = " (StreamConfig.max_weights_bytes)"
+        decoder = FrameDecoder(
+            check=stream.check_upload, max_bytes=config.max_weights_bytes, hint=hint
+        )
+        body_limit = config.max_weights_bytes + len(MAGIC) + 8 + MAX_HEADER_BYTES
         try:
-            hint = " (StreamConfig.max_weights_bytes)"
-            async for chunk in request.stream(config.max_weights_bytes, hint):
+            async for chunk in request.stream(body_limit, hint):
                 decoder.feed(chunk)
             update = decoder.finish()
+        except UpdateRefusedError as exc:
+            return Response.text(409, str(exc))
+        except UpdateTooLargeError as exc:
+            return Response.text(413, str(exc))
         except WeightSyncError as exc:
             return Response.text(400, f"malformed weight upload: {exc}")
         try:
@@ -661,15 +728,23 @@ def stream_app(
 async def serve_stream(
     stream: TrajectoryStream,
     *,
+    token: str,
     host: str = "127.0.0.1",
     port: int = 0,
-    token: str | None = None,
 ) -> AsyncIterator[str]:
-    """Serve ``stream_app(stream)`` for the duration of the block; yields the base URL
-    (``port=0`` picks a free port).  A non-loopback ``host`` without a ``token`` raises
-    ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish (up
-    to 5 s) and every connection is closed, also when the block is cancelled."""
+    """Serve ``stream_app(stream, token=token)`` for the duration of the block, with
+    ``stream.config.http``'s limits; yields the base URL (``port=0`` picks a free port).  A
+    worker gets its ``token`` from ``agentroll.stream.auth.ensure_token``; an empty one
+    raises ``ConfigError``.  On exit pending long-polls end (204), in-flight requests finish
+    (up to 5 s) and every connection is closed, also when the block is cancelled."""
     stop = asyncio.Event()
     app = stream_app(stream, token=token, stop=stop)
-    async with serve(app, host=host, port=port, what="trajectories", on_exit=stop.set) as url:
+    async with serve(
+        app,
+        host=host,
+        port=port,
+        what="trajectories",
+        on_exit=stop.set,
+        config=stream.config.http,
+    ) as url:
         yield url

@@ -10,6 +10,11 @@ blocks that are already allocated, so an fsync writes data without a journal com
 file's size and blocks.  A recycled file still holds its old records past the new ones; each
 record's frame carries a tag and an xxh3 seed taken from its segment's number (numbers are
 never reused), so an old record never passes the check in its new segment.
+Stale drops are not deletions: ``drop`` copies the records to the dropped segment
+(``dropped/``, the same frames; read it with ``read_dropped``), makes the copy durable, and
+only then acknowledges them; the dropped segment keeps the newest ``dropped_max_records`` /
+``dropped_max_bytes`` of them (whole files of the oldest go first), and counts what it held
+and what retention removed (``SpoolStats.dropped_*``).
 Methods are synchronous and thread-safe: one lock guards the index and is held for little
 file I/O (the ack log's small writes, a rollover, the fsync of ``ack(sync=True)``); appends
 take turns on a second lock and write outside the first, so a read or an ack never waits
@@ -28,6 +33,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import xxhash
@@ -49,6 +55,7 @@ ACK_MAGIC = b"ARK\x01"
 _ACK = struct.Struct("<4sIQ")
 ACK_LOG = "acks.log"
 LOCK_FILE = "LOCK"
+DROPPED_DIR = "dropped"  # stale-dropped records, kept for inspection up to a retention limit
 _SEGMENT_SUFFIX = ".seg"
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_ID_BYTES = (1 << 16) - 1
@@ -68,7 +75,9 @@ class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     smaller segments free disk sooner after acks.  ``sync_every``: when > 0, ``append``
     flushes by itself after this many unflushed records (0: only explicit ``flush`` calls).
     ``compact_ack_log_bytes``: the ack log is rewritten (only the acks still needed) when it
-    grows past this size.  ``recycle_segments``: how many fully acknowledged segment files
+    grows past this size.  ``dropped_max_records`` / ``dropped_max_bytes``: how many
+    stale-dropped records (and bytes of their files) the dropped segment keeps at most; the
+    oldest go first, a file at a time (0: none is kept, each drop is only counted).  ``recycle_segments``: how many fully acknowledged segment files
     are kept (renamed, their disk blocks still allocated) for new segments to overwrite
     instead of being deleted; 0 deletes them all.  Overwriting allocated blocks makes an
     append + fsync cheaper (no block allocation, no journal commit of the file's size; 730
@@ -78,8 +87,14 @@ class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     sync_every: int = 0
     compact_ack_log_bytes: int = 4 << 20
     recycle_segments: int = 4
+    dropped_max_records: int = 10_000
+    dropped_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
+        for name in ("dropped_max_records", "dropped_max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"SpoolConfig.{name}={value!r}; use 0 (keep none) or more")
         if self.segment_bytes < 4096:
             raise ConfigError(f"SpoolConfig.segment_bytes={self.segment_bytes}; use >= 4096")
         if self.sync_every < 0:
@@ -108,6 +123,10 @@ class SpoolStats(msgspec.Struct, kw_only=True):
     torn_records_dropped: int = 0
     ack_log_bytes: int = 0
     ack_log_compactions: int = 0
+    dropped: int = 0  # records moved to the dropped segment by this process (stale drops)
+    dropped_records: int = 0  # records the dropped segment holds now
+    dropped_bytes: int = 0  # size of its files
+    dropped_evicted: int = 0  # records its retention limit removed (this process)
 
 
 class SpoolRecord(msgspec.Struct, frozen=True):
@@ -258,6 +277,160 @@ _FALLOC_FL_KEEP_SIZE = 1
 _fallocate = _load_fallocate()
 
 
+def _dropped_files(path: Path) -> list[tuple[int, int | None, Path]]:
+    """The dropped segment's files in order: ``(number, records or None, path)``; a closed
+    file's name carries its record count (``<number>-<records>.seg``), the open one's not."""
+    out: list[tuple[int, int | None, Path]] = []
+    for p in path.glob(f"*{_SEGMENT_SUFFIX}"):
+        stem = p.name[: -len(_SEGMENT_SUFFIX)]
+        number, _, count = stem.partition("-")
+        if number.isdigit() and (not count or count.isdigit()):
+            out.append((int(number), int(count) if count else None, p))
+    return sorted(out, key=lambda f: f[0])
+
+
+def read_dropped(spool_dir: str | Path) -> Iterator[SpoolRecord]:
+    """The records a spool dropped as stale and still keeps, oldest first (a torn tail, or a
+    file retention removes meanwhile, ends that file's part).  Safe while a worker holds the
+    spool: it only reads."""
+    for number, _, path in _dropped_files(Path(spool_dir) / DROPPED_DIR):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        records, _, _, _ = _scan_records(data, number)
+        view = memoryview(data)
+        for rid, offset, length in records:
+            yield SpoolRecord(rid, bytes(view[offset : offset + length]))
+
+
+class _DroppedLog:
+    """The dropped segment: append-only files of stale-dropped records under ``path``, the
+    oldest removed, a file at a time, beyond the retention limits.  Thread-safe."""
+
+    def __init__(self, path: Path, config: SpoolConfig) -> None:
+        self.path = path
+        self.config = config
+        self._lock = threading.Lock()  # held across a write and its fdatasync
+        self._counts = threading.Lock()  # only while the counters change: statistics never
+        # waits for an fdatasync (the spool's lock is held while it reads them)
+        self.moved = 0  # records appended by this process
+        self.evicted = 0  # records retention removed (or, with a limit of 0, never kept)
+        self.records = 0  # records held now
+        self.bytes = 0  # size of the files
+        self._files: list[list[Any]] = []  # [number, records, bytes, path], oldest first
+        self._fd: int | None = None  # the open (last) file
+        self._next = 1
+        # a file is closed at an eighth of a limit: retention removes no more than that
+        self._roll_records = max(1, config.dropped_max_records // 8)
+        self._roll_bytes = max(4096, config.dropped_max_bytes // 8)
+        if path.is_dir():
+            self._recover()
+
+    def _recover(self) -> None:
+        for number, count, path in _dropped_files(self.path):
+            self._next = max(self._next, number + 1)
+            if count is None:  # the file that was open: count it, cut a torn tail, close it
+                data = path.read_bytes()
+                records, good, _, _ = _scan_records(data, number)
+                if good < len(data):
+                    with open(path, "r+b") as f:
+                        f.truncate(good)
+                count = len(records)
+                closed = path.with_name(f"{number:012d}-{count}{_SEGMENT_SUFFIX}")
+                os.rename(path, closed)
+                path = closed
+            self._files.append([number, count, path.stat().st_size, path])
+        self._count()
+        self._retain()
+
+    def _count(self, moved: int = 0, evicted: int = 0) -> None:
+        with self._counts:
+            self.moved += moved
+            self.evicted += evicted
+            self.records = sum(f[1] for f in self._files)
+            self.bytes = sum(f[2] for f in self._files)
+
+    def statistics(self) -> tuple[int, int, int, int]:
+        """``(moved, records, bytes, evicted)``, one snapshot."""
+        with self._counts:
+            return self.moved, self.records, self.bytes, self.evicted
+
+    def append(self, records: list[tuple[str, bytes]]) -> None:
+        """Write ``records`` (``(id, payload)``) and fdatasync them; then apply retention."""
+        with self._lock:
+            if self.config.dropped_max_records == 0 or self.config.dropped_max_bytes == 0:
+                self._count(moved=len(records), evicted=len(records))  # kept none: counted
+                return
+            i = 0
+            while i < len(records):
+                entry = self._open()
+                number = entry[0]
+                parts: list[bytes] = []
+                j = i
+                while j < len(records) and (j == i or entry[1] + j - i < self._roll_records):
+                    rid, payload = records[j]
+                    rid_bytes = _record_id(rid, payload)
+                    parts += (_frame_head(rid_bytes, payload, number), rid_bytes, payload)
+                    j += 1
+                assert self._fd is not None
+                data = b"".join(parts)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view) :]
+                os.fdatasync(self._fd)
+                entry[1] += j - i
+                entry[2] += len(data)
+                if entry[1] >= self._roll_records or entry[2] >= self._roll_bytes:
+                    self._close()
+                i = j
+            self._count(moved=len(records))
+            self._retain()
+
+    def _open(self) -> list[Any]:
+        if self._fd is not None:
+            return self._files[-1]
+        self.path.mkdir(exist_ok=True)
+        number = self._next
+        self._next += 1
+        path = self.path / f"{number:012d}{_SEGMENT_SUFFIX}"
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fsync_path(self.path)  # the file's name is durable before the acks its records allow
+        entry: list[Any] = [number, 0, 0, path]
+        self._files.append(entry)
+        return entry
+
+    def _close(self) -> None:
+        """Close the open file and name it with its record count."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        entry = self._files[-1]
+        closed = entry[3].with_name(f"{entry[0]:012d}-{entry[1]}{_SEGMENT_SUFFIX}")
+        os.rename(entry[3], closed)
+        entry[3] = closed
+
+    def _retain(self) -> None:
+        """Remove the oldest files while the segment holds more than a limit allows."""
+        cfg = self.config
+        while self._files and (
+            self.records > cfg.dropped_max_records or self.bytes > cfg.dropped_max_bytes
+        ):
+            if len(self._files) == 1:
+                self._close()
+            _, count, _, path = self._files.pop(0)
+            path.unlink(missing_ok=True)
+            self._count(evicted=count)
+            logger.info(
+                "spool %s: retention removed %d dropped records (%s)", self.path, count, path.name
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
 class Spool:
     """An open spool directory (created if missing); one process at a time (``ConfigError``
     if another process holds it).  Use as a context manager or call ``close``.
@@ -295,8 +468,10 @@ class Spool:
         self._next_segment = 1
         self._ack_dirty = False
         self._closed = False
+        self._dropped: _DroppedLog | None = None
         try:
             self._recover()
+            self._dropped = _DroppedLog(self.path / DROPPED_DIR, self.config)
         except BaseException:
             self.close()
             raise
@@ -614,6 +789,26 @@ class Spool:
 
     # -- acknowledging ---------------------------------------------------------------------
 
+    def drop(self, ids: Iterable[str], *, sync: bool = True) -> int:
+        """Acknowledge records dropped as stale, after copying them to the dropped segment
+        (durable before the ack is written; see ``read_dropped``); returns how many were
+        pending (others are ignored).  ``sync`` as in ``ack``.  A crash between the copy and
+        the ack leaves the record pending and copied: it is offered again, and a second drop
+        copies it a second time."""
+        with self._lock:
+            self._check_open()
+            copies: list[tuple[str, bytes]] = []
+            for rid in dict.fromkeys(ids):
+                loc = self._pending.get(rid)
+                if loc is not None:
+                    number, offset, length = loc
+                    copies.append((rid, os.pread(self._read_fd(number), length, offset)))
+        if not copies:
+            return 0
+        assert self._dropped is not None
+        self._dropped.append(copies)  # durable before the acks that let the originals go
+        return self.ack([rid for rid, _ in copies], sync=sync)
+
     def ack(self, ids: Iterable[str], *, sync: bool = True) -> int:
         """Acknowledge records by id; returns how many were pending (unknown or already
         acknowledged ids are ignored).  With ``sync`` the ack is durable on return and fully
@@ -794,6 +989,10 @@ class Spool:
         self._stats.records = len(self._pending)
         self._stats.segments = len(self._segments)
         self._stats.bytes = sum(s.size for s in self._segments.values())
+        if self._dropped is not None:
+            moved, held, size, evicted = self._dropped.statistics()
+            self._stats.dropped, self._stats.dropped_records = moved, held
+            self._stats.dropped_bytes, self._stats.dropped_evicted = size, evicted
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -821,6 +1020,8 @@ class Spool:
                     if self._ack_dirty:
                         os.fsync(self._ack_fd)
                     os.close(self._ack_fd)
+                if self._dropped is not None:
+                    self._dropped.close()
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)

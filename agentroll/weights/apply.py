@@ -1,23 +1,101 @@
 """Replica side of weight sync: apply a ``WeightUpdate`` to live weights, all or nothing.
 
 Invariants: an update is refused before anything is written when its base version, a tensor
-name, dtype or shape does not match; once writing starts, every touched tensor's checksum and
-then the whole-model digest are verified, and any mismatch or error restores the previous
-bytes (undo log for CPU tensors, host staging for device tensors) and raises
-``WeightSyncError`` with version and weights unchanged.  After success the replica's digest
-equals the one the trainer computed.
+name, dtype or shape does not match (``check_base`` and ``WeightLayout.check``, which a
+receiver also runs on an update's header before reading its payloads); once writing starts,
+every touched tensor's checksum and then the whole-model digest are verified, and any
+mismatch or error restores the previous bytes (undo log for CPU tensors, host staging for
+device tensors) and raises ``WeightSyncError`` with version and weights unchanged.  After
+success the replica's digest equals the one the trainer computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from agentroll.errors import WeightSyncError
 from agentroll.weights.delta import decode_into
 from agentroll.weights.update import WeightUpdate, dtype_name, model_digest, tensor_checksum
+
+
+class TensorSpec(Protocol):
+    """What the checks read of one tensor of an update (``TensorUpdate`` or ``PayloadInfo``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+class UpdatePlan(Protocol):
+    """What the checks read of an update: a ``WeightUpdate`` or its transport header."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def base_version(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tensors(self) -> Sequence[TensorSpec]: ...
+
+
+def check_base(plan: UpdatePlan, version: int, *, holder: str = "this replica") -> None:
+    """Refuse (``WeightSyncError``) ``plan`` for weights at ``version`` when its base is
+    another version (a delta, or a full update that names a base) or it is not newer."""
+    if (plan.kind == "delta" or plan.base_version != -1) and plan.base_version != version:
+        raise WeightSyncError(
+            f"update to version {plan.version} is based on version {plan.base_version}, "
+            f"but {holder} has version {version}; ask for a full update"
+        )
+    if plan.version <= version and plan.base_version != -1:
+        raise WeightSyncError(f"update version {plan.version} is not newer than {version}")
+
+
+class WeightLayout:
+    """The dtype name and shape of every tensor of a model, by name: what an update's
+    tensors must match.  With each tensor's size bounded by its shape (the transport's
+    ``payload_bound``), that also bounds an update by the model's own size."""
+
+    __slots__ = ("specs",)
+
+    def __init__(self, specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        self.specs = dict(specs)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> WeightLayout:
+        """The layout of ``tensors`` (reads no tensor data; a dtype that updates do not
+        support keeps torch's name, which no update matches)."""
+        return cls({n: (_dtype_label(t.dtype), tuple(t.shape)) for n, t in tensors.items()})
+
+    def check(self, plan: UpdatePlan) -> None:
+        """Refuse (``WeightSyncError``) ``plan`` when it names a tensor the model lacks or
+        twice, or one whose dtype or shape differs from the model's."""
+        seen: set[str] = set()
+        for tu in plan.tensors:
+            spec = self.specs.get(tu.name)
+            if spec is None:
+                raise WeightSyncError(f"the model has no tensor {tu.name!r}")
+            if tu.name in seen:
+                raise WeightSyncError(f"tensor {tu.name!r} appears twice in the update")
+            seen.add(tu.name)
+            if spec != (tu.dtype, tuple(tu.shape)):
+                raise WeightSyncError(
+                    f"tensor {tu.name!r} is {tu.dtype}{list(tu.shape)} in the update but "
+                    f"{spec[0]}{list(spec[1])} in the model"
+                )
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype)
 
 
 class WeightStore:
@@ -44,36 +122,20 @@ class WeightStore:
         self._checksums = None
         return self.digest()
 
-    def _check(self, update: WeightUpdate) -> None:
-        if (
-            update.kind == "delta" or update.base_version != -1
-        ) and update.base_version != self.version:
-            raise WeightSyncError(
-                f"update to version {update.version} is based on version {update.base_version}, "
-                f"but this replica has version {self.version}; ask for a full update"
-            )
-        if update.version <= self.version and update.base_version != -1:
-            raise WeightSyncError(
-                f"update version {update.version} is not newer than {self.version}"
-            )
-        seen: set[str] = set()
-        for tu in update.tensors:
-            target = self.tensors.get(tu.name)
-            if target is None:
-                raise WeightSyncError(f"the model has no tensor {tu.name!r}")
-            if tu.name in seen:
-                raise WeightSyncError(f"tensor {tu.name!r} appears twice in the update")
-            seen.add(tu.name)
-            if tuple(target.shape) != tuple(tu.shape) or dtype_name(target.dtype) != tu.dtype:
-                raise WeightSyncError(
-                    f"tensor {tu.name!r} is {tu.dtype}{list(tu.shape)} in the update but "
-                    f"{dtype_name(target.dtype)}{list(target.shape)} in the model"
-                )
+    def layout(self) -> WeightLayout:
+        """The names, dtypes and shapes of the live weights."""
+        return WeightLayout.of(self.tensors)
+
+    def check(self, plan: UpdatePlan) -> None:
+        """Refuse (``WeightSyncError``) an update, or its header before any payload is read,
+        that does not fit these weights: its base version, tensor names, dtypes, shapes."""
+        check_base(plan, self.version)
+        self.layout().check(plan)
 
     def apply(self, update: WeightUpdate) -> str:
         """Apply ``update``; returns the new digest.  Raises ``WeightSyncError`` (nothing
         changed) when it is refused or fails verification."""
-        self._check(update)
+        self.check(update)
         checksums = dict(self.checksums)
         done: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (live, host, undo)
         try:
@@ -121,7 +183,7 @@ class WeightStore:
     def stage(self, update: WeightUpdate) -> StagedUpdate:
         """Build and verify the updated tensors aside, without touching the live weights
         (safe while another thread runs forward passes).  Raises ``WeightSyncError``."""
-        self._check(update)
+        self.check(update)
         checksums = dict(self.checksums)
         staged: dict[str, torch.Tensor] = {}
         try:

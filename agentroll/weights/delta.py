@@ -422,7 +422,22 @@ def _check_target(name: str, dtype: str, numel: int, target: torch.Tensor) -> np
     return as_uint(target)
 
 
-def _decompress(update: TensorUpdate, bound: int) -> bytes:
+def payload_bound(encoding: str, compression: str, numel: int, itemsize: int) -> int:
+    """The most payload bytes a tensor of ``numel`` elements of ``itemsize`` bytes can take
+    in ``encoding`` (before any ``compression``): a full payload is the tensor's bytes; a
+    delta is smaller than that (an encoder falls back to full otherwise) except one that
+    changes nothing, which is its headers, one per chunk of at least 8 elements.  With
+    ``zstd``, the frame of that many bytes at worst (zstd's compress bound).  Receivers
+    refuse a longer payload before reading it."""
+    full = numel * itemsize
+    raw = full if encoding == "full" else full + _HEADER.size + _CHUNK.size * (numel // 8 + 1)
+    if compression == "none":
+        return raw
+    # ZSTD_COMPRESSBOUND, plus the frame header and checksum
+    return raw + (raw >> 8) + (((128 << 10) - raw) >> 11 if raw < 128 << 10 else 0) + 32
+
+
+def _decompress(update: TensorUpdate, bound: int) -> bytes | bytearray:
     if update.compression == "none":
         return update.payload
     if update.compression != "zstd":
@@ -439,7 +454,7 @@ def _decompress(update: TensorUpdate, bound: int) -> bytes:
 
 
 def _parse_delta(
-    name: str, payload: bytes, numel: int, itemsize: int, udt: np.dtype
+    name: str, payload: bytes | bytearray, numel: int, itemsize: int, udt: np.dtype
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Validate a whole delta payload; (absolute positions, values) per chunk.  Raises
     ``WeightSyncError`` for anything malformed; writes nothing."""
@@ -535,7 +550,7 @@ def decode_into(update: TensorUpdate, target: torch.Tensor) -> Undo:
         raise WeightSyncError(f"tensor {update.name!r}: unknown encoding {update.encoding!r}")
     # an encoder emits a delta only when it is smaller than the full payload, or when it
     # holds no change (headers only)
-    raw = _decompress(update, full_size + _HEADER.size + _CHUNK.size * (update.numel // 8 + 1))
+    raw = _decompress(update, payload_bound("delta", "none", update.numel, itemsize))
     positions, values = _parse_delta(update.name, raw, update.numel, itemsize, target_u.dtype)
     if update.num_changed != sum(p.size for p in positions):
         raise WeightSyncError(f"tensor {update.name!r}: num_changed does not match the payload")

@@ -45,7 +45,9 @@ def _collective(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
         raise WeightSyncError(f"weight broadcast failed: {exc}") from exc
 
 
-def _buckets(payloads: Sequence[bytes], bucket_bytes: int) -> Iterator[list[memoryview]]:
+def _buckets(
+    payloads: Sequence[bytes | bytearray], bucket_bytes: int
+) -> Iterator[list[memoryview]]:
     """The payload bytes cut into consecutive buckets of ``bucket_bytes`` (the last shorter)."""
     pieces: list[memoryview] = []
     room = bucket_bytes

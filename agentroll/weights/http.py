@@ -1,11 +1,12 @@
 """HTTP weight transport: a replica-side ``POST /weights`` endpoint and an httpx client.
 
 The body is the ``encode_frames`` stream (header frame, then payloads) sent with chunked
-transfer encoding.  Invariants: the server decodes as bytes arrive (holding only the payloads
-of this update), verifies every payload's xxh3 and hands ``on_update`` a complete update or
-nothing; the sender learns the outcome (200 applied, 409 refused by the replica, 400 malformed
-or truncated, 401 bad token) and any failure surfaces as ``WeightSyncError``.  Servers bind
-127.0.0.1 unless told otherwise, and then require a bearer token.
+transfer encoding.  Invariants: the server judges the header frame before it reads a payload
+byte, then decodes as bytes arrive (holding only the payloads of this update, each in one
+buffer), verifies every payload's xxh3 and hands ``on_update`` a complete update or nothing;
+the sender learns the outcome (200 applied, 409 refused by the replica, 413 too large, 400
+malformed or truncated, 401 bad token) and any failure surfaces as ``WeightSyncError``.
+Servers bind 127.0.0.1 unless told otherwise, and then require a bearer token.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from agentroll._net import is_loopback
 from agentroll.errors import ConfigError, WeightSyncError
 from agentroll.weights.transport import (
     FrameDecoder,
+    UpdateHeader,
+    UpdateRefusedError,
+    UpdateTooLargeError,
     WeightSender,
     describe,
     encode_frames,
@@ -38,17 +42,27 @@ from agentroll.weights.update import WeightUpdate
 
 CONTENT_TYPE = "application/x-agentroll-weights"
 OnUpdate = Callable[[WeightUpdate], Awaitable[None]]
+CheckHeader = Callable[[UpdateHeader], None]
 
 
 def weights_app(
-    on_update: OnUpdate, *, token: str | None = None, path: str = "/weights"
+    on_update: OnUpdate,
+    *,
+    token: str | None = None,
+    path: str = "/weights",
+    check: CheckHeader | None = None,
+    max_bytes: int | None = None,
 ) -> Starlette:
     """A Starlette app with ``POST {path}``: decode and verify the streamed update, then
-    ``await on_update(update)``.  Responses: 200 ``{"version": v}``; 400 (text) for a
-    malformed, corrupt or truncated upload, ``on_update`` not called; 401 when ``token`` is set
-    and the request lacks ``Authorization: Bearer <token>``; 409 (text: the error) when
-    ``on_update`` raises ``WeightSyncError``.  Other errors from ``on_update`` give 500.
-    Concurrent uploads are decoded concurrently; ordering applies is ``on_update``'s job."""
+    ``await on_update(update)``.  ``check(header)`` (e.g. ``WeightStore.check``) and
+    ``max_bytes`` (payload bytes in all) judge the header frame before any payload is read:
+    a refusal is answered at once, and the rest of the body is never read.  Responses: 200
+    ``{"version": v}``; 400 (text) for a malformed, corrupt or truncated upload; 401 when
+    ``token`` is set and the request lacks ``Authorization: Bearer <token>``; 409 (text: the
+    error) when ``check`` or ``on_update`` raises ``WeightSyncError``; 413 when the header
+    declares more than ``max_bytes`` or more than a tensor can take.  ``on_update`` is called
+    only with a complete, verified update; other errors from it give 500.  Concurrent
+    uploads are decoded concurrently; ordering applies is ``on_update``'s job."""
     expected = f"Bearer {token}".encode() if token is not None else None
 
     async def upload(request: Request) -> Response:
@@ -58,7 +72,7 @@ def weights_app(
                 return PlainTextResponse(
                     "missing or wrong bearer token", 401, headers={"WWW-Authenticate": "Bearer"}
                 )
-        decoder = FrameDecoder()
+        decoder = FrameDecoder(check=check, max_bytes=max_bytes)
         try:
             async for chunk in request.stream():
                 decoder.feed(chunk)
@@ -66,6 +80,12 @@ def weights_app(
         except ClientDisconnect:
             # the sender is gone; nobody reads this response and the partial update is dropped
             return Response(status_code=400)
+        # a refusal leaves the rest of the body unread: uvicorn drops it as it arrives, after
+        # the reply, so the sender reads the reply once it has sent its body
+        except UpdateRefusedError as exc:
+            return PlainTextResponse(str(exc), 409)
+        except UpdateTooLargeError as exc:
+            return PlainTextResponse(str(exc), 413)
         except WeightSyncError as exc:
             return PlainTextResponse(f"malformed weight upload: {exc}", 400)
         try:
@@ -156,10 +176,12 @@ async def serve_weights(
     port: int = 0,
     token: str | None = None,
     path: str = "/weights",
+    check: CheckHeader | None = None,
+    max_bytes: int | None = None,
 ) -> AsyncIterator[str]:
     """Run ``weights_app`` under uvicorn for the duration of the block (``serve_app``);
     yields the endpoint URL."""
-    app = weights_app(on_update, token=token, path=path)
+    app = weights_app(on_update, token=token, path=path, check=check, max_bytes=max_bytes)
     async with serve_app(app, host=host, port=port, token=token, what="weights") as url:
         yield f"{url}{path}"
 

@@ -5,7 +5,9 @@ transport-level length and xxh3-128 (of the payload bytes, distinct from the ten
 that ``apply`` verifies) and any truncated, corrupt or incomplete transfer raises
 ``WeightSyncError``; a directory update appears all at once (temp dir + ``os.rename``);
 blocking work runs off the event loop and no worker thread outlives the call that started it.
-Also home of the wire header and byte-stream framing that HTTP and torch.distributed share.
+Also home of the wire header and byte-stream framing that HTTP and torch.distributed share;
+a ``FrameDecoder`` judges what a header declares (sizes, the receiver's own check) before it
+takes a payload byte, and receives each payload into one buffer of its checked length.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -28,7 +31,8 @@ import xxhash
 
 from agentroll._fs import fsync_path
 from agentroll.errors import WeightSyncError
-from agentroll.weights.update import Encoding, TensorUpdate, UpdateKind, WeightUpdate
+from agentroll.weights.delta import payload_bound
+from agentroll.weights.update import DTYPES, Encoding, TensorUpdate, UpdateKind, WeightUpdate
 
 FORMAT = "agentroll.weights/1"
 #: stream preamble: MAGIC, then the header length as little-endian u64, then the header
@@ -93,7 +97,7 @@ def describe(update: WeightUpdate) -> UpdateHeader:
 
 
 def assemble(
-    header: UpdateHeader, payloads: Sequence[bytes], *, verified: bool = False
+    header: UpdateHeader, payloads: Sequence[bytes | bytearray], *, verified: bool = False
 ) -> WeightUpdate:
     """Verify every payload against ``header`` (unless the caller already did) and build the
     update (all or nothing)."""
@@ -141,38 +145,108 @@ def encode_frames(
             yield bytes(view[start : start + chunk_bytes])
 
 
+class UpdateRefusedError(WeightSyncError):
+    """The receiver refuses the update its header describes (a wrong base version, tensors
+    that do not match its model); raised before any payload byte is read (HTTP 409)."""
+
+
+class UpdateTooLargeError(WeightSyncError):
+    """The header declares more bytes than the receiver takes, in all or for one tensor;
+    raised before any payload byte is read (HTTP 413)."""
+
+
+def check_sizes(header: UpdateHeader, *, max_bytes: int | None = None, hint: str = "") -> int:
+    """Validate the tensors ``header`` declares and return its payload bytes: names unique,
+    dtypes supported, shapes non-negative (``WeightSyncError``); no payload longer than its
+    tensor can take (``payload_bound``) and, given ``max_bytes``, no more than that in all
+    (``UpdateTooLargeError``, its message ending with ``hint``)."""
+    names = {info.name for info in header.tensors}
+    if len(names) != len(header.tensors):
+        raise WeightSyncError(f"update v{header.version} names a tensor twice")
+    total = 0
+    for info in header.tensors:
+        if info.dtype not in DTYPES:
+            raise WeightSyncError(f"tensor {info.name!r} has unsupported dtype {info.dtype!r}")
+        if any(d < 0 for d in info.shape):
+            raise WeightSyncError(f"tensor {info.name!r} has a negative dimension {info.shape}")
+        numel = math.prod(info.shape)
+        bound = payload_bound(
+            info.encoding, info.compression, numel, DTYPES[info.dtype][1].itemsize
+        )
+        if info.length > bound:
+            raise UpdateTooLargeError(
+                f"tensor {info.name!r} ({info.dtype}{list(info.shape)}) declares a "
+                f"{info.length}-byte {info.encoding} payload, but one takes at most {bound} "
+                "bytes; send the tensor's own bytes (full) or a delta from encode_tensor"
+            )
+        total += info.length
+    if max_bytes is not None and total > max_bytes:
+        raise UpdateTooLargeError(
+            f"update v{header.version} declares {total} payload bytes, more than the "
+            f"{max_bytes}-byte limit{hint}; send a delta, or raise the limit"
+        )
+    return total
+
+
 class FrameDecoder:
     """Incremental decoder of ``encode_frames`` output: ``feed`` chunks of any size, then
-    ``finish``.  Holds only the payloads completed so far plus the one in progress; each
-    payload is verified as soon as it is complete.  With ``header`` given, the stream holds
-    the payloads only (torch.distributed sends the header separately)."""
+    ``finish``.  With ``header`` given, the stream holds the payloads only (torch.distributed
+    sends the header separately).
 
-    def __init__(self, header: UpdateHeader | None = None) -> None:
-        self.header = header
+    Everything the header declares is checked before a payload byte is taken: the sizes
+    (``check_sizes`` with ``max_bytes``), then ``check(header)``, whose ``WeightSyncError``
+    comes out as ``UpdateRefusedError``.  Each payload is received into one buffer of its
+    declared length (no copies joined at the end) and verified as soon as it is complete, so
+    the decoder holds at most the update's payloads (``buffered_bytes``)."""
+
+    def __init__(
+        self,
+        header: UpdateHeader | None = None,
+        *,
+        check: Callable[[UpdateHeader], None] | None = None,
+        max_bytes: int | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        hint: str = "",
+    ) -> None:
+        self.header: UpdateHeader | None = None
+        self._check = check
+        self._max_bytes = max_bytes
+        self._max_header_bytes = max_header_bytes
+        self._hint = hint
         self._stage: Literal["preamble", "header", "payload", "done"] = "preamble"
         self._need = len(MAGIC) + 8
-        self._parts: list[bytes] = []
+        self._head = bytearray()  # the preamble, then the header frame, as it arrives
+        self._buffer = bytearray()  # the payload in progress, allocated at its full length
         self._have = 0
-        self._payloads: list[bytes] = []
+        self._payloads: list[bytearray] = []
+        self._held = 0
         self._hasher = xxhash.xxh3_128()
         if header is not None:
-            self._stage = "payload"
-            self._next_payload()
+            self._accept(header)
 
-    def feed(self, data: bytes | memoryview) -> None:
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this decoder holds now: the header so far, every payload buffer."""
+        return len(self._head) + self._held
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
         while len(view):
             if self._stage == "done":
                 raise WeightSyncError(f"{len(view)} unexpected bytes after the last payload")
             take = min(self._need - self._have, len(view))
-            piece = bytes(view[:take])
             if self._stage == "payload":
+                piece = view[:take]
+                self._buffer[self._have : self._have + take] = piece
                 self._hasher.update(piece)  # hash as bytes arrive: no pause at the end
-            self._parts.append(piece)
+            else:
+                self._head += view[:take]
             self._have += take
             view = view[take:]
             if self._have == self._need:
-                self._complete(b"".join(self._parts))
+                self._complete()
 
     def finish(self) -> WeightUpdate:
         """The verified update; ``WeightSyncError`` if the stream stopped early."""
@@ -183,38 +257,62 @@ class FrameDecoder:
             )
         return assemble(self.header, self._payloads, verified=True)
 
-    def _complete(self, piece: bytes) -> None:
-        self._parts, self._have = [], 0
+    def _complete(self) -> None:
+        self._have = 0
         if self._stage == "preamble":
-            if piece[: len(MAGIC)] != MAGIC:
+            if self._head[: len(MAGIC)] != MAGIC:
                 raise WeightSyncError("not an agentroll weight update stream (bad magic)")
-            (self._need,) = struct.unpack("<Q", piece[len(MAGIC) :])
-            if not 0 < self._need <= MAX_HEADER_BYTES:
-                raise WeightSyncError(f"bad update header length {self._need}")
+            (self._need,) = struct.unpack("<Q", self._head[len(MAGIC) :])
+            self._head = bytearray()
+            if self._need == 0:
+                raise WeightSyncError("empty update header")
+            if self._need > self._max_header_bytes:
+                raise UpdateTooLargeError(
+                    f"update header of {self._need} bytes exceeds the "
+                    f"{self._max_header_bytes}-byte limit; send fewer or shorter-named tensors"
+                )
             self._stage = "header"
         elif self._stage == "header":
-            self.header = decode_header(piece)
-            self._stage = "payload"
-            self._next_payload()
+            header = decode_header(bytes(self._head))
+            self._head = bytearray()
+            self._accept(header)
         else:
             assert self.header is not None
             info = self.header.tensors[len(self._payloads)]
             if self._hasher.hexdigest() != info.xxh3:
                 raise WeightSyncError(f"payload of {info.name!r} is corrupt (xxh3 mismatch)")
             self._hasher.reset()
-            self._payloads.append(piece)
+            self._payloads.append(self._buffer)
+            self._buffer = bytearray()
             self._next_payload()
+
+    def _accept(self, header: UpdateHeader) -> None:
+        """Check what ``header`` declares, then expect its payloads."""
+        check_sizes(header, max_bytes=self._max_bytes, hint=self._hint)
+        if self._check is not None:
+            try:
+                self._check(header)
+            except UpdateRefusedError:
+                raise
+            except WeightSyncError as exc:
+                raise UpdateRefusedError(str(exc)) from exc
+        self.header = header
+        self._stage = "payload"
+        self._next_payload()
 
     def _next_payload(self) -> None:
         assert self.header is not None
         tensors = self.header.tensors
         # empty payloads (a delta that changes nothing) complete without any bytes
         while len(self._payloads) < len(tensors) and tensors[len(self._payloads)].length == 0:
-            self._payloads.append(b"")
+            self._payloads.append(bytearray())
         if len(self._payloads) == len(tensors):
             self._stage, self._need = "done", 0
         else:
             self._need = tensors[len(self._payloads)].length
+            # one allocation of the declared (checked) length: bytes are copied in once
+            self._buffer = bytearray(self._need)
+            self._held += self._need
 
 
 async def run_blocking(fn: Callable[..., _T], /, *args: object) -> _T:

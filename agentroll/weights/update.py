@@ -38,13 +38,14 @@ class TensorUpdate(msgspec.Struct, kw_only=True, frozen=True):
     """One tensor of an update.  ``payload`` is the raw little-endian bytes (``encoding``
     full) or a delta (see ``agentroll.weights.delta``); ``compression`` is ``none`` or
     ``zstd`` on top; ``checksum`` is the xxh3-128 (hex) of the tensor's bytes after the
-    update; ``num_changed`` counts the elements a delta replaces (-1 for full)."""
+    update; ``num_changed`` counts the elements a delta replaces (-1 for full).  A received
+    update's payloads are the bytearrays they were received into (not copied again)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     encoding: Encoding
-    payload: bytes
+    payload: bytes | bytearray
     checksum: str
     compression: Literal["none", "zstd"] = "none"
     num_changed: int = -1

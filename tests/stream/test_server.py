@@ -34,7 +34,11 @@ from agentroll.stream import (
 )
 from agentroll.stream.client import _Reply
 from agentroll.types import Message, Trajectory
+from agentroll.weights.transport import UpdateHeader
 from agentroll.weights.update import TensorUpdate, WeightUpdate
+
+TOKEN = "test-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 class FakeClock:
@@ -61,7 +65,7 @@ def config(**buffer: object) -> StreamConfig:
 async def worker(
     path: Path, cfg: StreamConfig | None = None, **kwargs: object
 ) -> AsyncIterator[tuple[TrajectoryStream, str]]:
-    token = kwargs.pop("token", None)
+    token = kwargs.pop("token", TOKEN)
     async with (
         TrajectoryStream(path, cfg or config(), **kwargs) as stream,  # type: ignore[arg-type]
         serve_stream(stream, token=token) as url,  # type: ignore[arg-type]
@@ -100,7 +104,7 @@ async def test_lease_ack_round_trip_is_bit_exact_and_empties_the_spool(
         for t in sent:
             await stream.publish([t])
         assert len(stream.spool) == 5  # durable before offered
-        async with StreamClient(url, format=fmt) as client:  # type: ignore[arg-type]
+        async with StreamClient(url, token=TOKEN, format=fmt) as client:  # type: ignore[arg-type]
             batch = await client.lease(max=10)
             assert batch is not None and batch.ttl == pytest.approx(10.0, abs=1.0)
             assert all(same(a, b) for a, b in zip(batch.trajectories, sent, strict=True))
@@ -119,7 +123,7 @@ async def test_a_client_without_conversation_gets_token_data_only(tmp_path: Path
         for t in sent:
             await stream.publish([t])
         async with (
-            StreamClient(url, conversation=False) as client,
+            StreamClient(url, token=TOKEN, conversation=False) as client,
             contextlib.aclosing(client.batches(max=10, wait=1.0, auto_ack=True)) as batches,
         ):
             got = await anext(batches)
@@ -152,11 +156,17 @@ async def test_an_undecodable_trajectory_is_named_and_the_rest_of_its_lease_kept
     async with worker(tmp_path / "spool", clock=clock) as (stream, url):
         for t in sent:
             await stream.publish([t])
-        async with StreamClient(url, format=fmt) as client:  # type: ignore[arg-type]
+        async with StreamClient(url, token=TOKEN, format=fmt) as client:  # type: ignore[arg-type]
             with pytest.raises(StreamError, match=r"'t-00000001': .*on_undecodable='skip'"):
                 await client.lease(max=10)
         dead = tmp_path / "dead"
-        skip = StreamClient(url, format=fmt, on_undecodable="skip", dead_letter_dir=dead)  # type: ignore[arg-type]
+        skip = StreamClient(
+            url,
+            token=TOKEN,
+            format=fmt,  # type: ignore[arg-type]
+            on_undecodable="skip",
+            dead_letter_dir=dead,
+        )
         async with skip as client:
             clock.now += 11  # the refused lease expires: offered again
             batch = await client.lease(max=10)
@@ -170,7 +180,7 @@ async def test_an_undecodable_trajectory_is_named_and_the_rest_of_its_lease_kept
         # the messages: a bad role would not concern it)
         await stream.publish([undecodable(3, "task_id")])
         await stream.publish([traj(4)])
-        skip = StreamClient(url, format=fmt, on_undecodable="skip", conversation=False)  # type: ignore[arg-type]
+        skip = StreamClient(url, token=TOKEN, format=fmt, on_undecodable="skip", conversation=False)  # type: ignore[arg-type]
         async with skip as client, contextlib.aclosing(client.batches(max=10, wait=1.0)) as it:
             got = await anext(it)
             assert [t.id for t in got] == ["t-00000004"] and not got[0].messages
@@ -206,7 +216,7 @@ async def test_expired_lease_is_offered_again_and_deduped(tmp_path: Path) -> Non
     clock = FakeClock()
     async with worker(tmp_path, clock=clock) as (stream, url):
         await stream.publish([traj(0)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             batches = client.batches(max=1, wait=5.0, prefetch=False)
             first = await anext(batches)
             assert [t.id for t in first] == ["t-00000000"]
@@ -228,7 +238,7 @@ async def test_batches_sends_the_next_lease_before_decoding_the_last(tmp_path: P
     async with worker(tmp_path) as (stream, url):
         for i in range(6):
             await stream.publish([traj(i)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             requests = [0]
             at_decode: list[int] = []
             lease_reply, decode_lease = client._lease_reply, client._decode_lease
@@ -261,7 +271,7 @@ async def test_batches_yields_a_prefetched_batch_past_an_empty_long_poll(tmp_pat
     async with worker(tmp_path) as (stream, url):
         for i in range(2):
             await stream.publish([traj(i)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             calls = [0]
             lease_reply = client._lease_reply
 
@@ -289,7 +299,7 @@ async def test_take_returns_exactly_n_never_handed_out_before(tmp_path: Path) ->
     async with worker(tmp_path, clock=clock) as (stream, url):
         for i in range(3):
             await stream.publish([traj(i)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             first = await client.take(2, wait=5.0)
             assert [t.id for t in first] == ["t-00000000", "t-00000001"]
             clock.now += 11  # that lease expires unacknowledged: both are offered again
@@ -306,7 +316,7 @@ async def test_consumer_killed_mid_batch_gets_the_unacked_rest(tmp_path: Path) -
     async with worker(tmp_path / "spool", clock=clock) as (stream, url):
         for i in range(6):
             await stream.publish([traj(i)])
-        async with StreamClient(url, seen_path=seen) as first:
+        async with StreamClient(url, token=TOKEN, seen_path=seen) as first:
             batches = first.batches(max=4, wait=0, prefetch=False)
             got = await anext(batches)
             assert len(got) == 4
@@ -314,7 +324,7 @@ async def test_consumer_killed_mid_batch_gets_the_unacked_rest(tmp_path: Path) -
             await batches.aclose()
         clock.now += 11
         append_text(seen, '["t-0000')  # torn tail of the seen file: dropped on load
-        async with StreamClient(url, seen_path=seen) as second:
+        async with StreamClient(url, token=TOKEN, seen_path=seen) as second:
             received: list[str] = []
             async for batch in second.batches(max=10, wait=0, auto_ack=True):
                 received += [t.id for t in batch]
@@ -341,7 +351,7 @@ async def test_acked_before_restart_is_never_yielded_and_is_reacked(tmp_path: Pa
     async with worker(tmp_path / "spool") as (stream, url):
         await stream.publish([traj(0)])
         await stream.publish([traj(1)])
-        async with StreamClient(url, seen_path=seen) as client:
+        async with StreamClient(url, token=TOKEN, seen_path=seen) as client:
             batch = await anext(client.batches(max=1, wait=0, prefetch=False))
         assert [t.id for t in batch] == ["t-00000001"]
         assert "t-00000000" not in stream.spool  # re-acknowledged, left the spool
@@ -352,7 +362,7 @@ async def test_the_client_keeps_only_unacknowledged_ids_as_handed_out(tmp_path: 
     async with worker(tmp_path / "spool") as (stream, url):
         for i in range(6):
             await stream.publish([traj(i)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             got: list[str] = []
             async with contextlib.aclosing(
                 client.batches(max=2, wait=0, auto_ack=True, prefetch=False)
@@ -378,17 +388,38 @@ async def test_worker_restart_restores_unacked_and_partial_groups(tmp_path: Path
     async with worker(tmp_path, cfg) as (stream, url):
         await stream.publish([traj(0, group_size=2), traj(1, group_size=2)])
         await stream.publish([traj(2, group_size=2), traj(3, group_size=2)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             batch = await client.lease(max=2)
             assert batch is not None
             await client.ack([batch.trajectories[0].id])  # half of the first group
     async with worker(tmp_path, cfg) as (stream, url):
         assert stream.counters["restored"] == 3
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             partial = await client.lease(max=1)
             full = await client.lease(max=2)
     assert partial is not None and [t.id for t in partial.trajectories] == ["t-00000001"]
     assert full is not None and [t.id for t in full.trajectories] == ["t-00000002", "t-00000003"]
+
+
+async def test_an_ack_after_a_restart_of_a_lease_from_before_it_is_final(
+    tmp_path: Path,
+) -> None:
+    """A trainer acknowledges, after the worker restarted, what it leased before: the
+    trajectory leaves the restored buffer as it leaves the spool, and is not offered again
+    (it was, from memory, while the spool had let it go)."""
+    async with worker(tmp_path) as (stream, url):
+        await stream.publish([traj(0)])
+        await stream.publish([traj(1)])
+        async with StreamClient(url, token=TOKEN) as client:
+            held = await client.lease(max=1)
+    assert held is not None and [t.id for t in held.trajectories] == ["t-00000000"]
+    async with worker(tmp_path) as (stream, url):
+        async with StreamClient(url, token=TOKEN) as client:
+            assert await client.ack(["t-00000000"]) == 1
+            batch = await client.lease(max=10)
+            assert batch is not None and [t.id for t in batch.trajectories] == ["t-00000001"]
+            assert await client.lease(max=10) is None
+        assert stream.buffer.statistics().queued == 0 and len(stream.spool) == 1
 
 
 async def test_concurrent_publishers_share_fsyncs_and_back_pressure_keeps_them_durable(
@@ -403,7 +434,7 @@ async def test_concurrent_publishers_share_fsyncs_and_back_pressure_keeps_them_d
         # 20 groups are durable, 4 are offered, 16 publishers wait for buffer space
         assert len(stream.spool) == 20
         assert stream.spool.statistics().fsyncs - before <= 3  # group commit
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             delivered: list[str] = []
             while len(delivered) < 20:
                 batch = await client.lease(max=4, wait=5)
@@ -597,7 +628,7 @@ async def test_weights_are_applied_and_stale_trajectories_leave_the_spool(tmp_pa
     async with worker(tmp_path, cfg, on_weights=on_weights) as (stream, url):
         await stream.publish([traj(0, version=1)])
         await stream.publish([traj(1, version=3)])
-        async with StreamClient(url) as client:
+        async with StreamClient(url, token=TOKEN) as client:
             await client.push_weights(make_update(3), chunk_bytes=1000)
             assert applied == [make_update(3)]  # bit-exact after a streamed upload
             with pytest.raises(WeightSyncError, match="wrong base"):
@@ -609,15 +640,53 @@ async def test_weights_are_applied_and_stale_trajectories_leave_the_spool(tmp_pa
         assert stream.counters["dropped_stale"] == 1
         await stream.ack([])  # one more group commit: the drop ack is durable by now
         assert "t-00000000" not in stream.spool and "t-00000001" in stream.spool
-        async with httpx.AsyncClient() as raw:
+        async with httpx.AsyncClient(headers=AUTH) as raw:
             bad = await raw.post(f"{url}/v1/weights", content=b"not a weight stream")
             assert bad.status_code == 400 and "malformed weight upload" in bad.text
+
+
+async def test_weight_uploads_are_judged_from_their_header(tmp_path: Path) -> None:
+    """``check_weights`` sees each upload's header before its payloads: a refusal is a 409
+    and ``on_weights`` never runs; a header declaring more than ``max_weights_bytes`` is a
+    413 naming it; a worker that takes no weights says so at once."""
+    headers: list[int] = []
+    applied: list[int] = []
+
+    def check(header: UpdateHeader) -> None:
+        headers.append(header.version)
+        if header.base_version != 2:
+            raise WeightSyncError(f"based on version {header.base_version}, not 2")
+
+    async def on_weights(update: WeightUpdate) -> None:
+        applied.append(update.version)
+
+    cfg = msgspec.structs.replace(config(), max_weights_bytes=4999)
+    async with worker(tmp_path / "a", on_weights=on_weights, check_weights=check) as (_, url):
+        async with StreamClient(url, token=TOKEN) as client:
+            with pytest.raises(WeightSyncError, match="HTTP 409: based on version 98, not 2"):
+                await client.push_weights(make_update(99))
+            await client.push_weights(make_update(3))
+        assert headers == [99, 3] and applied == [3]
+    async with (
+        worker(tmp_path / "b", cfg, on_weights=on_weights) as (_, url),
+        StreamClient(url, token=TOKEN) as client,
+    ):
+        with pytest.raises(
+            WeightSyncError,
+            match=r"HTTP 413: .*5000 payload bytes, more than the 4999-byte limit "
+            r"\(StreamConfig.max_weights_bytes\)",
+        ):
+            await client.push_weights(make_update(4))
+    async with worker(tmp_path / "c") as (_, url), StreamClient(url, token=TOKEN) as client:
+        with pytest.raises(WeightSyncError, match="HTTP 409: this worker takes no weight"):
+            await client.push_weights(make_update(5))
+    assert applied == [3]
 
 
 async def test_bad_requests_get_4xx_and_the_worker_keeps_serving(tmp_path: Path) -> None:
     async with worker(tmp_path) as (stream, url):
         await stream.publish([traj(0)])
-        async with httpx.AsyncClient(base_url=url) as raw:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH) as raw:
             r = await raw.post("/v1/ack", content=b"\xc1garbage")
             assert r.status_code == 400 and "malformed msgpack body" in r.text
             r = await raw.post(
@@ -648,15 +717,19 @@ async def test_bad_requests_get_4xx_and_the_worker_keeps_serving(tmp_path: Path)
             assert "agentroll_stream_published_total 1" in metrics.text
             for line in metrics.text.splitlines():
                 assert line.startswith("# TYPE agentroll_") or line.startswith("agentroll_")
-        async with StreamClient(url, format="json") as client:  # still serving
+        async with StreamClient(url, token=TOKEN, format="json") as client:  # still serving
             batch = await client.lease(max=1)
             assert batch is not None and batch.trajectories[0].id == "t-00000000"
 
 
 async def test_token_is_required_on_every_route(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="needs a token"):
-        async with TrajectoryStream(tmp_path / "a") as stream, serve_stream(stream, host="0.0.0.0"):
-            pass
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match="stream token is empty"):
+            async with (
+                TrajectoryStream(tmp_path / "a") as stream,
+                serve_stream(stream, token=empty),
+            ):
+                pass
     async with worker(tmp_path / "b", token="s3cret") as (stream, url):
         async with httpx.AsyncClient(base_url=url) as raw:
             for method, path in [
@@ -672,8 +745,8 @@ async def test_token_is_required_on_every_route(tmp_path: Path) -> None:
                 assert r.status_code == 401, path
             ok = await raw.get("/metrics", headers={"authorization": "Bearer s3cret"})
             assert ok.status_code == 200
-        async with StreamClient(url) as client:
-            with pytest.raises(StreamError, match="token"):
+        async with StreamClient(url, token="wrong") as client:
+            with pytest.raises(StreamError, match="wrong token"):
                 await client.lease()
         async with StreamClient(url, token="s3cret") as client:
             assert await client.lease() is None
@@ -683,7 +756,7 @@ async def test_unreachable_worker_is_a_stream_error(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with StreamClient(f"http://127.0.0.1:{port}", timeout=2) as client:
+    async with StreamClient(f"http://127.0.0.1:{port}", token=TOKEN, timeout=2) as client:
         with pytest.raises(StreamError, match="check that the worker is running"):
             await client.lease()
 
@@ -693,13 +766,18 @@ async def test_unreachable_worker_is_a_stream_error(tmp_path: Path) -> None:
 WORKER = textwrap.dedent(
     """
     import asyncio, sys
+    from pathlib import Path
     from agentroll.bench_stream import synthetic_trajectory
+    from agentroll.stream.auth import ensure_token
     from agentroll.buffer import BufferConfig
     from agentroll.stream import StreamConfig, TrajectoryStream, serve_stream
 
     async def main(path, port, first, count, ttl):
         cfg = StreamConfig(buffer=BufferConfig(capacity=1000, max_staleness=None, lease_ttl=ttl))
-        async with TrajectoryStream(path, cfg) as stream, serve_stream(stream, port=port):
+        token = ensure_token(Path(path).parent, None)  # the same file at the restart
+        async with TrajectoryStream(path, cfg) as stream, serve_stream(
+            stream, port=port, token=token
+        ):
             for i in range(first, first + count):
                 await stream.publish([synthetic_trajectory(i, 64, turns=2, prefix="t")])
             print("ready", flush=True)
@@ -736,7 +814,7 @@ async def test_worker_kill9_then_restart_delivers_everything_exactly_once(tmp_pa
     yielded: list[str] = []
     worker_a = await asyncio.to_thread(start_worker, spool, port, 0, 60, 3600.0)
     try:
-        consumer = StreamClient(url, seen_path=seen)
+        consumer = StreamClient(url, run_dir=tmp_path, seen_path=seen)
         batches = consumer.batches(max=10, wait=5, prefetch=False)
         for k in range(3):
             batch = await anext(batches)
@@ -759,7 +837,7 @@ async def test_worker_kill9_then_restart_delivers_everything_exactly_once(tmp_pa
             await consumer.ack(all_ids[20:30])  # done with the batch that was in flight
             await batches.aclose()
             await consumer.aclose()  # the trainer dies holding 70..79 unacknowledged
-            async with StreamClient(url, seen_path=seen) as restarted:
+            async with StreamClient(url, run_dir=tmp_path, seen_path=seen) as restarted:
                 again: list[str] = []
                 async for batch in restarted.batches(max=10, wait=5, auto_ack=True):
                     again += [t.id for t in batch]

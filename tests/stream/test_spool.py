@@ -495,3 +495,77 @@ def test_a_file_still_being_read_is_deleted_not_reused(tmp_path: Path) -> None:
         assert frees(tmp_path) == []  # a smaller pool deletes the rest at open
     with pytest.raises(ConfigError, match="recycle_segments"):
         SpoolConfig(recycle_segments=-1)
+
+
+# -- the dropped segment ---------------------------------------------------------------------
+
+
+def test_drop_copies_then_acknowledges_and_survives_reopen(tmp_path: Path) -> None:
+    from agentroll.stream.spool import DROPPED_DIR, read_dropped
+
+    sent = [traj(i) for i in range(4)]
+    with Spool(tmp_path) as spool:
+        spool.append_many(sent)
+        spool.flush()
+        assert spool.drop(["t00001", "t00003", "unknown", "t00001"]) == 2
+        assert ids(spool) == ["t00000", "t00002"]
+        stats = spool.statistics()
+        assert (stats.dropped, stats.dropped_records, stats.dropped_evicted) == (2, 2, 0)
+        assert stats.dropped_bytes == sum(
+            p.stat().st_size for p in (tmp_path / DROPPED_DIR).iterdir()
+        )
+    kept = list(read_dropped(tmp_path))
+    assert [r.data for r in kept] == [encode_msgpack(sent[1]), encode_msgpack(sent[3])]
+    with Spool(tmp_path) as spool:  # neither comes back; the dropped segment is still counted
+        assert ids(spool) == ["t00000", "t00002"]
+        assert spool.statistics().dropped_records == 2
+        spool.append(traj(9))
+        spool.flush()
+        spool.drop(["t00009"])
+    assert [r.id for r in read_dropped(tmp_path)] == ["t00001", "t00003", "t00009"]
+
+
+def test_a_torn_tail_of_the_open_dropped_file_is_cut_at_open(tmp_path: Path) -> None:
+    from agentroll.stream.spool import DROPPED_DIR, read_dropped
+
+    with Spool(tmp_path) as spool:
+        spool.append_many([traj(0), traj(1)])
+        spool.flush()
+        spool.drop(["t00000", "t00001"])
+    [open_file] = (tmp_path / DROPPED_DIR).glob("*.seg")  # still open: no count in its name
+    with open(open_file, "ab") as f:
+        f.write(b"ARS\x01torn")
+    assert [r.id for r in read_dropped(tmp_path)] == ["t00000", "t00001"]  # stops at the tear
+    with Spool(tmp_path) as spool:
+        assert spool.statistics().dropped_records == 2
+    assert [p.name for p in (tmp_path / DROPPED_DIR).iterdir()] == ["000000000001-2.seg"]
+
+
+def test_dropped_retention_by_bytes_and_keeping_none(tmp_path: Path) -> None:
+    from agentroll.stream.spool import read_dropped
+
+    size = len(encode_msgpack(traj(0)))
+    cfg = SpoolConfig(dropped_max_bytes=8 * (size + 64))  # files roll at one record each
+    with Spool(tmp_path / "a", cfg) as spool:
+        spool.append_many([traj(i) for i in range(20)])
+        spool.flush()
+        for i in range(20):
+            spool.drop([f"t{i:05d}"])
+        stats = spool.statistics()
+        assert stats.dropped == 20 and stats.dropped_bytes <= cfg.dropped_max_bytes
+        assert stats.dropped_records + stats.dropped_evicted == 20 and stats.dropped_evicted > 0
+    kept = [r.id for r in read_dropped(tmp_path / "a")]
+    assert kept == [f"t{i:05d}" for i in range(20 - len(kept), 20)]  # the newest stay
+    with Spool(tmp_path / "b", SpoolConfig(dropped_max_records=0)) as spool:
+        spool.append(traj(0))
+        spool.flush()
+        assert spool.drop(["t00000"]) == 1 and len(spool) == 0
+        stats = spool.statistics()
+        assert (stats.dropped, stats.dropped_records, stats.dropped_evicted) == (1, 0, 1)
+    assert list(read_dropped(tmp_path / "b")) == []
+
+
+@pytest.mark.parametrize("field", ["dropped_max_records", "dropped_max_bytes"])
+def test_dropped_limits_are_validated(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"SpoolConfig.{field}=-1"):
+        SpoolConfig(**{field: -1})

@@ -17,6 +17,7 @@ from agentroll.errors import ConfigError
 from agentroll.stream.http import (
     App,
     FileRange,
+    HTTPConfig,
     HTTPError,
     Request,
     Response,
@@ -316,12 +317,9 @@ async def test_httpx_round_trip() -> None:
         assert r.status_code == 200
 
 
-async def test_idle_and_trickling_connections_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import agentroll.stream.http as http
-
-    monkeypatch.setattr(http, "_IDLE_TIMEOUT", 0.3)
+async def test_idle_and_trickling_connections_are_closed() -> None:
     async with (
-        server(APP) as addr,
+        server(APP, config=HTTPConfig(head_timeout=0.3, idle_timeout=0.3)) as addr,
         connect(addr) as idle,
         connect(addr) as trickle,
         connect(addr) as busy,

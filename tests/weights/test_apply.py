@@ -12,6 +12,7 @@ from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.torch import TorchBackend
 from agentroll.errors import WeightSyncError
 from agentroll.weights.exporter import WeightExporter
+from agentroll.weights.transport import describe
 from agentroll.weights.update import TensorUpdate, WeightUpdate, model_digest
 
 
@@ -103,9 +104,17 @@ async def test_refused_updates_leave_the_replica_unchanged(
         store = backend.engine.weight_store()
         before = store.verify()
         await backend.pause()
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(WeightSyncError) as refused:
             await backend.apply(bad)
         assert store.verify() == before and backend.policy_version == 0
+        # what the header shows is refused from the header alone, with the same message
+        # (a receiver runs this check before it reads a payload byte)
+        if fault in ("wrong_base", "unknown_tensor", "wrong_shape"):
+            with pytest.raises(WeightSyncError) as early:
+                store.check(describe(bad))
+            assert str(early.value) == str(refused.value)
+        else:
+            store.check(describe(bad))  # only the payloads or the digest give it away
         await backend.apply(good)  # the retry succeeds
         await backend.resume()
         assert store.verify() == good.digest and backend.policy_version == 1

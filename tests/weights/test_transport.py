@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -14,15 +15,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
 from agentroll.errors import ConfigError, WeightSyncError
 from agentroll.weights.http import HttpTransport, serve_weights
 from agentroll.weights.transport import (
+    MAGIC,
     DirectoryTransport,
     FrameDecoder,
     InProcessTransport,
+    UpdateHeader,
+    UpdateRefusedError,
+    UpdateTooLargeError,
     available_versions,
     describe,
     encode_frames,
@@ -82,6 +88,66 @@ def test_frames_refuse_truncated_corrupt_and_trailing() -> None:
         FrameDecoder().feed(stream + b"x")
     with pytest.raises(WeightSyncError, match="bad magic"):
         FrameDecoder().feed(b"GET / HTTP/1.1\r\n\r\n")
+
+
+def header_length(stream: bytes) -> int:
+    """Bytes of the preamble and header frame at the start of an ``encode_frames`` stream."""
+    return len(MAGIC) + 8 + struct.unpack_from("<Q", stream, len(MAGIC))[0]
+
+
+def test_frames_are_judged_from_the_header_before_any_payload() -> None:
+    update = make_update()
+    stream = b"".join(encode_frames(update, describe(update)))
+    seen: list[int] = []
+
+    def refuse(header: UpdateHeader) -> None:
+        seen.append(header.version)
+        raise WeightSyncError("wrong base")
+
+    decoder = FrameDecoder(check=refuse)
+    with pytest.raises(UpdateRefusedError, match="wrong base"):
+        decoder.feed(stream)  # the whole stream at once: refused at the header
+    assert seen == [3] and decoder.buffered_bytes == 0  # no payload buffer was allocated
+    head = stream[: header_length(stream)]
+    with pytest.raises(
+        UpdateTooLargeError,
+        match=f"declares {update.payload_bytes} payload bytes, more than the 1000-byte limit",
+    ):
+        FrameDecoder(max_bytes=1000).feed(head)
+    # a full bfloat16[3000] payload is 6000 bytes: one byte more is refused from the header
+    bloated = msgspec.structs.replace(update.tensors[0], payload=bytes(6001))
+    bloated_update = msgspec.structs.replace(update, tensors=(bloated, *update.tensors[1:]))
+    bloated_stream = b"".join(encode_frames(bloated_update, describe(bloated_update)))
+    with pytest.raises(UpdateTooLargeError, match="takes at most 6000 bytes"):
+        FrameDecoder().feed(bloated_stream[: header_length(bloated_stream)])
+    with pytest.raises(
+        UpdateTooLargeError, match=r"header of \d+ bytes exceeds the 1024-byte limit"
+    ):
+        FrameDecoder(max_header_bytes=1024).feed(MAGIC + struct.pack("<Q", 1025))
+    with pytest.raises(WeightSyncError, match="empty update header"):
+        FrameDecoder().feed(MAGIC + struct.pack("<Q", 0))
+    for bad in ({"dtype": "float8"}, {"shape": (-1, 4)}):
+        odd = msgspec.structs.replace(describe(update).tensors[0], **bad)  # type: ignore[arg-type]
+        header = msgspec.structs.replace(describe(update), tensors=(odd,))
+        with pytest.raises(WeightSyncError, match=r"unsupported dtype|negative dimension"):
+            FrameDecoder(header)
+
+
+def test_frames_hold_each_payload_once() -> None:
+    """The decoder never holds more than the update's payloads (one buffer each, filled in
+    place: no pieces joined at the end), and what it returns is those buffers."""
+    update = make_update()
+    stream = b"".join(encode_frames(update, describe(update)))
+    decoder = FrameDecoder()
+    held = []
+    for start in range(0, len(stream), 997):
+        decoder.feed(stream[start : start + 997])
+        held.append(decoder.buffered_bytes)
+    assert header_length(stream) < update.payload_bytes
+    assert max(held) == held[-1] == update.payload_bytes
+    received = decoder.finish()
+    assert received == update
+    assert all(isinstance(t.payload, bytearray) for t in received.tensors)
 
 
 async def test_in_process_round_trip_and_backpressure() -> None:
