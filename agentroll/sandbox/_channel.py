@@ -1,13 +1,15 @@
 """The host side of the in-container agent's protocol (``_agent.py``): framed JSON requests
-over one byte stream, replies matched to requests by id.
+over one byte stream, authenticated replies matched to requests by id.
 
 The stream is a docker attach connection (``multiplexed``: docker's 8-byte frame headers
 separate the container's stdout from its stderr) or, in tests, a subprocess's pipes.
 
-Invariants: every request gets exactly one outcome: its reply, or ``SandboxError`` once the
-stream ends or breaks (then every pending and later request fails at once, with the agent's
-last stderr lines in the message); ids are never reused on one channel; the reader never
-holds more than one frame plus the agent's last 4 KiB of stderr.
+Invariants: the channel's first frame gives the agent a fresh 256-bit key, and a reply is
+accepted only with a valid HMAC-SHA256 under it (a bad one fails the channel: whatever
+wrote it could write anything); request ids are random 128-bit strings, never reused;
+every request gets exactly one outcome: its reply, or ``SandboxError`` once the stream ends
+or breaks (then every pending and later request fails at once, with the agent's last stderr
+lines in the message); the reader holds at most one frame plus 4 KiB of stderr.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import itertools
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import struct
 from typing import Any
 
@@ -30,6 +34,11 @@ _FRAME = struct.Struct(">I")
 _DOCKER_HEADER = struct.Struct(">BxxxI")
 _MAX_FRAME = 256 * 1024 * 1024
 _STDERR_KEEP = 4096
+_MAC_SIZE = 32
+
+
+class _Forged(ValueError):
+    """A reply frame whose MAC does not verify."""
 
 
 class AgentChannel:
@@ -47,8 +56,8 @@ class AgentChannel:
         self._writer = writer
         self._multiplexed = multiplexed
         self.name = name
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._key = secrets.token_bytes(32)
+        self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._hello: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._buf = bytearray()
         self._stderr = bytearray()
@@ -64,18 +73,24 @@ class AgentChannel:
         return self._stderr.decode("utf-8", "replace")
 
     async def start(self, timeout: float) -> dict[str, Any]:
-        """Start reading; return the agent's hello.  ``SandboxError`` if none comes."""
+        """Send the agent its key, start reading; return its hello.  ``SandboxError`` if
+        none comes (or the agent reports that it cannot isolate its commands)."""
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self.post({"key": self._key.hex()})
         try:
             async with asyncio.timeout(timeout):
-                return await asyncio.shield(self._hello)
+                hello = await asyncio.shield(self._hello)
         except TimeoutError:
             self._fail(f"no hello from the agent within {timeout:.0f} s")
             raise SandboxError(self._reason()) from None
+        if hello.get("error"):
+            self._fail(f"the agent cannot start: {hello['error']}")
+            raise SandboxError(self._reason())
+        return hello
 
-    def new_id(self) -> int:
-        """A fresh request id (to ``post`` a kill for the request later)."""
-        return next(self._ids)
+    def new_id(self) -> str:
+        """A fresh, unguessable request id (to ``post`` a kill for the request later)."""
+        return secrets.token_hex(16)
 
     def post(self, msg: dict[str, Any]) -> None:
         """Send without waiting for a reply (``kill``); a dead channel drops it."""
@@ -84,7 +99,7 @@ class AgentChannel:
                 self._writer.write(_encode(msg))
 
     async def request(
-        self, msg: dict[str, Any], *, req_id: int | None = None, timeout: float | None = None
+        self, msg: dict[str, Any], *, req_id: str | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
         """Send ``msg`` with id ``req_id`` (default: a fresh one) and return the reply.
 
@@ -157,6 +172,9 @@ class AgentChannel:
             self._fail("the agent's stream ended (the container stopped or was removed)")
         except (ConnectionError, OSError) as exc:
             self._fail(f"the agent's stream broke: {exc}")
+        except _Forged as exc:
+            log.error("%s: %s; the container is not used any more", self.name, exc)
+            self._fail(f"refused a reply: {exc} (something in the container forged it)")
         except (ValueError, KeyError, RecursionError) as exc:  # RecursionError: "[[[[..."
             self._fail(f"the agent sent a malformed frame: {exc}")
 
@@ -177,8 +195,11 @@ class AgentChannel:
                 raise ValueError(f"frame of {size} bytes")
             if len(self._buf) < _FRAME.size + size:
                 return
-            body = bytes(self._buf[_FRAME.size : _FRAME.size + size])
+            frame = bytes(self._buf[_FRAME.size : _FRAME.size + size])
             del self._buf[: _FRAME.size + size]
+            mac, body = frame[:_MAC_SIZE], frame[_MAC_SIZE:]
+            if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+                raise _Forged(f"a frame of {size} bytes carries no valid MAC")
             msg = json.loads(body)
             if not isinstance(msg, dict):
                 raise ValueError(f"a frame that is not a JSON object ({type(msg).__name__})")
@@ -186,7 +207,7 @@ class AgentChannel:
                 self._hello.set_result(msg)
                 continue
             req_id = msg.get("id")
-            fut = self._pending.get(req_id) if isinstance(req_id, int) else None
+            fut = self._pending.get(req_id) if isinstance(req_id, str) else None
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 

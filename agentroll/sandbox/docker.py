@@ -8,9 +8,16 @@ with its stdin/stdout attached to us over one hijacked HTTP connection to the da
 the docker client's connection pool.
 
 Invariants:
-- Every container has ``network_mode="none"``, CPU, memory (no swap) and pids limits,
-  ``cap_drop=ALL``, ``no-new-privileges``, tini as PID 1, a tmpfs ``/tmp``, and the labels
-  of ``_ratelimit`` (owner, created at, TTL, run, episode).  ``config.network`` is refused.
+- Every container has ``network_mode="none"``, the CPU, memory (no swap) and pids limits of
+  ``SandboxConfig``, a read-only root with size-capped tmpfs mounts (the working directory:
+  ``disk_mb``; ``/tmp`` and ``/dev/shm``: ``tmp_mb``), ``cap_drop=ALL`` but the agent's
+  SETUID/SETGID/KILL, ``no-new-privileges``, tini as PID 1, and the labels of
+  ``_ratelimit`` (owner, created at, TTL, run, episode).  ``config.network`` is refused.  A
+  limit the container does not show is named in a warning at start.
+- Commands run as ``options.command_uid``, never as the agent (root without other
+  capabilities); nothing a command starts outlives its call, and a reply whose MAC fails
+  (see ``_channel``) marks the container broken.  Files move through the agent with the
+  command uid's rights and never through a link that leaves the working directory.
 - A container cannot outlive its TTL (the agent's SIGALRM ends it) nor, for long, its owner
   (the attach connection closing is the agent's stdin EOF); a stopped container is removed
   by ``close()``, by the owner's exit/SIGTERM handler (bulk, by owner label) or by the
@@ -41,7 +48,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -88,6 +95,7 @@ _HOST_MOUNTS = ("/usr", "/lib", "/lib64", "/lib32", "/bin")
 _PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 _OUTSIDE_GRACE = 2.0  # seconds past a command's timeout before we stop waiting for the agent
 _PING_TIMEOUT = 2.0
+_FILE_TIMEOUT = 120.0  # seconds for a file op in the agent (up to 192 MiB each way)
 _MIB = 1024 * 1024
 _DOCKER_HINT = (
     "start a daemon (`scripts/dockerd.sh start` starts a private one and prints its "
@@ -99,16 +107,13 @@ class DockerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     """Docker-only settings, read from ``SandboxConfig.options``."""
 
     docker_host: str | None = None  # default: $DOCKER_HOST, else unix:///var/run/docker.sock
-    cpus: float = 1.0
-    pids: int = 256
     ttl: float = 3600.0  # seconds a container may live at most
     workdir: str = "/workspace"
-    tmpfs_mb: int = 64
+    command_uid: int = 1000  # uid and gid of every command (the agent runs as 0)
     pool_size: int = 2  # warm containers kept ready per image and limits
     reuse: bool = False  # put a container back in the pool after a verified reset
     host_mounts: bool | None = None  # bind the host's /usr, /lib...; None: default image only
     python: str = "python3"  # the image's interpreter for the agent
-    user: str | None = None
     run_id: str = ""
     create_rate: float = 10.0  # container creations per second
     create_burst: int = 8
@@ -121,8 +126,13 @@ class DockerOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             opts = msgspec.convert(config.options, cls)
         except msgspec.ValidationError as exc:
             raise ValueError(f"sandbox options: {exc}") from None
-        if opts.cpus <= 0 or opts.pids < 8 or opts.tmpfs_mb < 1 or opts.max_connections < 1:
-            raise ValueError("sandbox options: cpus > 0, pids >= 8, tmpfs_mb >= 1 needed")
+        if opts.max_connections < 1:
+            raise ValueError("sandbox options: max_connections must be >= 1")
+        if not 1 <= opts.command_uid <= 65534:
+            raise ValueError(
+                f"sandbox options: command_uid = {opts.command_uid} is out of range; use "
+                "1..65534 (0 is the agent's)"
+            )
         if not posixpath.isabs(opts.workdir) or posixpath.normpath(opts.workdir) == "/":
             raise ValueError(f"sandbox options: workdir {opts.workdir!r} must be absolute, not /")
         return opts
@@ -137,10 +147,11 @@ class _Spec(msgspec.Struct, frozen=True):
     pids: int
     ttl: float
     workdir: str
-    tmpfs_mb: int
+    disk_mb: int
+    tmp_mb: int
+    command_uid: int
     host_mounts: bool
     python: str
-    user: str | None
     file_size_mb: int
     open_files: int
     run_id: str
@@ -162,6 +173,22 @@ def _owner() -> str:
 
 # ---------------------------------------------------------------------------------------
 # the daemon: one SDK client, one thread pool, one creation rate limit per URL
+
+
+@contextlib.contextmanager
+def _docker_errors(url: str, what: str) -> Iterator[None]:
+    """Translate the docker SDK's and its transport's errors into ``SandboxError``: every
+    blocking docker call runs inside this (``_Daemon.call`` and the module's functions)."""
+    import docker.errors
+    import requests.exceptions
+
+    try:
+        yield
+    except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+        raise SandboxError(
+            f"docker {what} failed at {url}: {exc}; check that the daemon is healthy "
+            f"(`docker info`, its log), then retry"
+        ) from exc
 
 
 def _resolve_host(docker_host: str | None) -> str:
@@ -197,14 +224,29 @@ class _Daemon:
         self.reaped = 0
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        """``fn(*args, **kwargs)`` on the SDK thread pool; docker errors as ``SandboxError``."""
+        what = getattr(fn, "__name__", "call").strip("_")
+
+        def run() -> T:
+            with _docker_errors(self.url, what):
+                return fn(*args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, run)
 
     async def creation_slot(self) -> None:
         await asyncio.sleep(self.bucket.reserve(time.monotonic()))
 
     async def attach(self, cid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A raw connection to the container's stdin/stdout/stderr (hijacked HTTP)."""
+        try:
+            return await self._attach(cid)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            raise SandboxError(
+                f"cannot attach to container {cid[:12]} at {self.url}: {exc}; check that the "
+                "daemon is healthy (`docker info`), then retry"
+            ) from exc
+
+    async def _attach(self, cid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.parsed.scheme == "unix":
             reader, writer = await asyncio.open_unix_connection(self.parsed.path)
         else:
@@ -241,7 +283,8 @@ def _daemon(opts: DockerOptions) -> _Daemon:
         if daemon is None:
             daemon = _Daemon(url, opts.max_connections, opts.create_rate, opts.create_burst)
             _install_atexit()
-            daemon.reaped = _reap(daemon.client)
+            with _docker_errors(url, "listing containers to reap"):
+                daemon.reaped = _reap(daemon.client)
             if daemon.reaped:
                 log.warning(
                     "removed %d leftover agentroll container(s) at %s (past their TTL or "
@@ -260,17 +303,20 @@ def _daemon(opts: DockerOptions) -> _Daemon:
 def list_containers(docker_host: str | None = None, *, owner: str | None = None) -> list[str]:
     """Ids of this project's containers (all states) at the daemon; ``owner``: only those
     of that owner label (``"self"`` for this process).  Blocking."""
-    client = _daemon(DockerOptions(docker_host=docker_host)).client
+    daemon = _daemon(DockerOptions(docker_host=docker_host))
     label = LABEL if owner is None else f"{LABEL_OWNER}={_owner() if owner == 'self' else owner}"
-    return [c["Id"] for c in client.containers(all=True, filters={"label": label})]
+    with _docker_errors(daemon.url, "listing containers"):
+        return [c["Id"] for c in daemon.client.containers(all=True, filters={"label": label})]
 
 
 def describe_containers(docker_host: str | None = None) -> list[str]:
     """One line per project container: id, state, age, owner, run, episode.  Blocking."""
-    client = _daemon(DockerOptions(docker_host=docker_host)).client
+    daemon = _daemon(DockerOptions(docker_host=docker_host))
     now = time.time()
     lines = []
-    for c in client.containers(all=True, filters={"label": LABEL}):
+    with _docker_errors(daemon.url, "listing containers"):
+        found = daemon.client.containers(all=True, filters={"label": LABEL})
+    for c in found:
         labels = c.get("Labels") or {}
         try:
             age = f"{now - float(labels.get(LABEL_CREATED, now)):.0f}s"
@@ -302,7 +348,8 @@ def reap(docker_host: str | None = None) -> int:
     this host is gone; return how many.  Runs by itself when a process first uses a daemon;
     call it to sweep again.  Blocking."""
     daemon = _daemon(DockerOptions(docker_host=docker_host))
-    return _reap(daemon.client)
+    with _docker_errors(daemon.url, "reaping containers"):
+        return _reap(daemon.client)
 
 
 def _remove_quietly(client: Any, cid: str) -> bool:
@@ -375,16 +422,18 @@ def ensure_base_image(docker_host: str | None = None) -> str:
     """Create ``DEFAULT_IMAGE`` (an empty image, made offline) if the daemon lacks it."""
     import docker.errors
 
-    client = _daemon(DockerOptions(docker_host=docker_host)).client
-    try:
-        client.inspect_image(DEFAULT_IMAGE)
-    except docker.errors.ImageNotFound:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w"):
-            pass
-        repo, tag = DEFAULT_IMAGE.rsplit(":", 1)
-        client.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
-        log.info("created the base image %s (empty; the host's runtime is mounted)", DEFAULT_IMAGE)
+    daemon = _daemon(DockerOptions(docker_host=docker_host))
+    client = daemon.client
+    with _docker_errors(daemon.url, "creating the base image"):
+        try:
+            client.inspect_image(DEFAULT_IMAGE)
+        except docker.errors.ImageNotFound:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w"):
+                pass
+            repo, tag = DEFAULT_IMAGE.rsplit(":", 1)
+            client.import_image_from_data(buf.getvalue(), repository=repo, tag=tag)
+            log.info("created the base image %s (empty; host runtime mounted)", DEFAULT_IMAGE)
     return DEFAULT_IMAGE
 
 
@@ -450,6 +499,7 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
         ulimits.append(
             docker.types.Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files)
         )
+    uid = spec.command_uid
     host_config = client.create_host_config(
         network_mode="none",
         mem_limit=mem,
@@ -457,13 +507,21 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
         nano_cpus=int(spec.cpus * 1e9),
         pids_limit=spec.pids,
         cap_drop=["ALL"],
+        # The agent's only powers: run commands as command_uid and kill what they leave.
+        cap_add=["SETUID", "SETGID", "KILL"],
         security_opt=["no-new-privileges"],
         init=True,
-        tmpfs={"/tmp": f"rw,nosuid,nodev,size={spec.tmpfs_mb}m"},
+        read_only=True,
+        tmpfs={
+            spec.workdir: f"rw,nosuid,nodev,exec,size={spec.disk_mb}m,uid={uid},gid={uid},"
+            "mode=0755",
+            "/tmp": f"rw,nosuid,nodev,size={spec.tmp_mb}m,mode=1777",
+        },
+        shm_size=f"{spec.tmp_mb}m",
         binds=binds or None,
         ulimits=ulimits or None,
     )
-    command = [spec.python, "-c", _agent_source(), f"{spec.ttl:.0f}", spec.workdir]
+    command = [spec.python, "-c", _agent_source(), f"{spec.ttl:.0f}", spec.workdir, str(uid)]
 
     def create() -> str:
         try:
@@ -475,7 +533,7 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
                 labels=labels,
                 host_config=host_config,
                 environment={"PATH": _PATH, "PYTHONDONTWRITEBYTECODE": "1"},
-                user=spec.user,
+                user="0:0",  # the agent; commands get command_uid
                 network_disabled=True,
             )
         except docker.errors.ImageNotFound:
@@ -495,14 +553,12 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
     except asyncio.CancelledError:
         creating.add_done_callback(functools.partial(_remove_created, daemon))
         raise
-    except docker.errors.APIError as exc:
-        raise SandboxError(f"docker could not create a container of {spec.image}: {exc}") from exc
     channel: AgentChannel | None = None
     try:
         reader, writer = await daemon.attach(cid)
         channel = AgentChannel(reader, writer, multiplexed=True, name=f"container {cid[:12]}")
         await daemon.call(client.start, cid)
-        await channel.start(spec.start_timeout)
+        hello = await channel.start(spec.start_timeout)
     except BaseException as exc:
         removal = asyncio.ensure_future(daemon.call(_remove_quietly, client, cid))
         with contextlib.suppress(BaseException):
@@ -513,15 +569,45 @@ async def _create(daemon: _Daemon, spec: _Spec, episode_id: str | None) -> _Cont
             f" (the sandbox's agent needs python >= 3.8 in the image: is {spec.python!r} on "
             f"the PATH of {spec.image!r}? set sandbox option python to its path)"
         )
-        if isinstance(exc, docker.errors.APIError):
+        if isinstance(exc, SandboxError) and isinstance(exc.__cause__, docker.errors.APIError):
             missing = "executable file not found" in str(exc) or "no such file" in str(exc)
             raise SandboxError(
                 f"docker could not start container {cid[:12]}: {exc}{hint if missing else ''}"
             ) from exc
-        if isinstance(exc, SandboxError):
+        if isinstance(exc, SandboxError) and "cannot start" not in str(exc):
             raise SandboxError(f"{exc}{hint}") from exc
         raise
+    _warn_unenforced(spec, hello.get("limits") or {})
     return _Container(daemon, cid, channel)
+
+
+_warned: set[tuple[_Spec, str]] = set()
+
+
+def _warn_unenforced(spec: _Spec, seen: Mapping[str, Any]) -> None:
+    """Warn (once per spec and limit) about a limit the container does not show."""
+    wanted = {
+        "pids": (spec.pids, "sandbox.pids", "processes"),
+        "memory": (spec.memory_mb * _MIB, "sandbox.memory_mb", "bytes"),
+        "cpus": (spec.cpus, "sandbox.cpus", "cores"),
+        "disk": (spec.disk_mb * _MIB, "sandbox.disk_mb", "bytes"),
+        "tmp": (spec.tmp_mb * _MIB, "sandbox.tmp_mb", "bytes"),
+    }
+    for name, (value, field, unit) in wanted.items():
+        got = seen.get(name)
+        if isinstance(got, (int, float)) and abs(got - value) <= 0.02 * value:
+            continue
+        if (spec, name) in _warned:
+            continue
+        _warned.add((spec, name))
+        log.warning(
+            "docker sandbox: %s = %s %s is not enforced in the container (it sees %s); the "
+            "daemon or its cgroup setup ignores this limit",
+            field,
+            value,
+            unit,
+            "no limit" if got is None else got,
+        )
 
 
 def _remove_created(daemon: _Daemon, creating: asyncio.Future[str]) -> None:
@@ -682,10 +768,11 @@ async def close_pools() -> None:
 class DockerSandbox(Sandbox):
     """A container per episode (from a warm pool); see the module docstring.
 
-    ``config.memory_mb`` is the container's memory limit (no swap); ``file_size_mb`` and
-    ``open_files`` become ulimits; ``cpu_seconds`` does not apply (``options.cpus`` bounds
-    the CPU share and each command's timeout its time).  Docker-only settings are
-    ``DockerOptions`` fields in ``config.options``.
+    ``config.memory_mb``, ``pids`` and ``cpus`` are the container's limits (no swap);
+    ``disk_mb`` and ``tmp_mb`` size its tmpfs working directory and ``/tmp``;
+    ``file_size_mb`` and ``open_files`` become ulimits; ``cpu_seconds`` does not apply
+    (``cpus`` bounds the CPU share and each command's timeout its time).  Docker-only
+    settings are ``DockerOptions`` fields in ``config.options``.
     """
 
     def __init__(self, config: SandboxConfig | None = None, *, episode_id: str | None = None):
@@ -700,14 +787,15 @@ class DockerSandbox(Sandbox):
         self.spec = _Spec(
             image=image,
             memory_mb=self.config.memory_mb,
-            cpus=self.options.cpus,
-            pids=self.options.pids,
+            cpus=self.config.cpus,
+            pids=self.config.pids,
             ttl=self.options.ttl,
             workdir=posixpath.normpath(self.options.workdir),
-            tmpfs_mb=self.options.tmpfs_mb,
+            disk_mb=self.config.disk_mb,
+            tmp_mb=self.config.tmp_mb,
+            command_uid=self.options.command_uid,
             host_mounts=image == DEFAULT_IMAGE if host_mounts is None else host_mounts,
             python=self.options.python,
-            user=self.options.user,
             file_size_mb=self.config.file_size_mb,
             open_files=self.config.open_files,
             run_id=self.options.run_id,
@@ -772,7 +860,9 @@ class DockerSandbox(Sandbox):
         """Run ``cmd`` in the container (``/bin/sh -c`` for a string, an argv for a list).
 
         Same contract as ``LocalSandbox.exec``: the process group dies when the command
-        exits, times out or the call is cancelled; ``exit_code`` is the negative signal
+        exits, times out or the call is cancelled, and every other process of the command
+        uid once no other exec runs (before the result is returned); ``exit_code`` is the
+        negative signal
         number when the leader was killed (-9 for a timeout or the OOM killer, whose kill
         is also noted at the end of ``stderr``); 127 for a command not found.  Raises
         ``ValueError`` for bad arguments or a ``cwd`` outside the working directory,
@@ -827,6 +917,8 @@ class DockerSandbox(Sandbox):
         if error == "cwd":
             raise FileNotFoundError(f"exec cwd {cwd!r} is not a directory in the sandbox")
         if error:
+            if "survive" in str(error):  # the container can no longer promise a clean call
+                container.broken = str(error)
             raise SandboxError(f"container {container.id[:12]} could not run {argv[0]!r}: {error}")
         out = capture_from(reply["stdout"], max_output)
         err = capture_from(reply["stderr"], max_output)
@@ -847,88 +939,66 @@ class DockerSandbox(Sandbox):
             duration=time.monotonic() - started,
         )
 
-    # -- files, through the archive API ---------------------------------------------------
+    # -- files, through the agent (the working directory is a tmpfs in the container) -----
+
+    async def _file_op(self, msg: dict[str, Any], shown: str) -> dict[str, Any]:
+        """Send a file op to the agent; its refusals as the matching Python errors."""
+        container = await self._started()
+        try:
+            reply = await container.channel.request(msg, timeout=_FILE_TIMEOUT)
+        except TimeoutError:
+            container.broken = f"its agent did not finish a {msg['op']} in {_FILE_TIMEOUT:.0f} s"
+            raise SandboxError(
+                f"container {container.id[:12]} is broken: {container.broken}"
+            ) from None
+        error = reply.get("error")
+        if error is None:
+            return reply
+        detail = reply.get("detail", "")
+        if error == "os":
+            code = int(reply.get("errno") or 0)
+            raise OSError(code, f"{shown}: {os.strerror(code) if code else detail} in the sandbox")
+        if error == "outside":
+            raise ValueError(f"sandbox path {shown!r} is outside the working directory: {detail}")
+        if error == "too_large":
+            raise ValueError(
+                f"{shown}: {detail}; the sandbox moves at most 192 MiB at once: compress or "
+                "split it with exec"
+            )
+        if error == "not_regular":
+            raise FileNotFoundError(f"{shown!r} is not a regular file in the sandbox")
+        raise SandboxError(f"container {container.id[:12]}: {msg['op']} {shown!r}: {detail}")
 
     async def read_file(self, path: str) -> bytes:
-        """Read ``path`` (relative to the working directory); symlinks are followed.
+        """Read ``path`` (relative to the working directory); symlinks are followed while
+        they stay inside it.
 
         Raises ``FileNotFoundError`` if missing, ``IsADirectoryError`` for a directory,
-        ``ValueError`` if absolute or escaping.
+        ``ValueError`` if absolute, escaping, or a link that leads out of the directory.
         """
-        container = await self._started()
-        target = self._inside(path, allow_absolute=False)
-        return await container.daemon.call(self._read_blocking, container, target, path)
-
-    def _read_blocking(self, container: _Container, target: str, shown: str) -> bytes:
-        import docker.errors
-
-        for _ in range(16):  # symlink hops
-            try:
-                stream, _ = container.daemon.client.get_archive(container.id, target)
-                raw = b"".join(stream)
-            except docker.errors.NotFound:
-                raise FileNotFoundError(f"no file {shown!r} in the sandbox") from None
-            with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-                member = tar.next()
-                if member is None:
-                    raise FileNotFoundError(f"no file {shown!r} in the sandbox")
-                if member.isdir():
-                    raise IsADirectoryError(f"{shown!r} is a directory in the sandbox")
-                if member.issym():
-                    target = posixpath.normpath(
-                        posixpath.join(posixpath.dirname(target), member.linkname)
-                    )
-                    continue
-                fileobj = tar.extractfile(member)
-                if fileobj is None:
-                    raise FileNotFoundError(f"{shown!r} is not a regular file in the sandbox")
-                return fileobj.read()
-        raise FileNotFoundError(f"{shown!r}: too many levels of symbolic links")
+        self._inside(path, allow_absolute=False)
+        reply = await self._file_op({"op": "read", "path": path}, path)
+        return base64.b64decode(reply["data"])
 
     async def write_file(self, path: str, data: str | bytes) -> None:
-        """Write ``path`` (relative to the working directory), creating parent directories.
+        """Write ``path`` (relative to the working directory), creating parent directories;
+        a symlink at ``path`` is replaced, never written through.
 
-        A ``str`` is written as UTF-8.  Raises ``ValueError`` if absolute or escaping.
+        A ``str`` is written as UTF-8.  Raises ``ValueError`` if absolute or escaping,
+        ``OSError`` (``ENOSPC``...) as the command uid would get it.
         """
-        container = await self._started()
         target = self._inside(path, allow_absolute=False)
-        rel = posixpath.relpath(target, self.spec.workdir)
-        if rel == ".":
+        if target == self.spec.workdir:
             raise ValueError(f"sandbox path {path!r} names the working directory")
         raw = data.encode() if isinstance(data, str) else data
-        buf = io.BytesIO()
-        now = time.time()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode, info.mtime = len(raw), 0o644, now
-            tar.addfile(info, io.BytesIO(raw))
-        ok = await container.daemon.call(
-            container.daemon.client.put_archive, container.id, self.spec.workdir, buf.getvalue()
-        )
-        if not ok:
-            raise SandboxError(f"docker refused to write {path!r} into the sandbox")
+        msg = {"op": "write", "path": path, "data": base64.b64encode(raw).decode("ascii")}
+        await self._file_op(msg, path)
 
     async def snapshot(self) -> bytes:
         """The working directory as an uncompressed tar archive, member names relative to
         it (the local sandbox's format, so a snapshot restores on either backend)."""
-        container = await self._started()
-        return await container.daemon.call(self._snapshot_blocking, container)
-
-    def _snapshot_blocking(self, container: _Container) -> bytes:
-        stream, _ = container.daemon.client.get_archive(container.id, self.spec.workdir)
-        raw = b"".join(stream)
-        out = io.BytesIO()
-        with (
-            tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as src,
-            tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
-        ):
-            for member in src:
-                name = _strip_root(member.name)
-                if name is None:
-                    continue
-                member.name = name
-                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
-        return out.getvalue()
+        reply = await self._file_op({"op": "snapshot"}, "the working directory")
+        return base64.b64decode(reply["data"])
 
     async def restore(self, blob: bytes) -> None:
         """Replace the working directory's contents with a ``snapshot()`` blob.
@@ -936,18 +1006,10 @@ class DockerSandbox(Sandbox):
         A blob that is not a tar archive, or holds an absolute path, ``..``, a device or a
         link leaving the directory raises ``ValueError`` before anything is changed.
         """
-        container = await self._started()
+        await self._started()
         _check_blob(blob)
-        reply = await container.channel.request(
-            {"op": "reset", "dirs": [self.spec.workdir], "kill": False}, timeout=30.0
-        )
-        if not reply.get("ok"):
-            raise SandboxError(f"cannot empty the working directory: {reply.get('detail')}")
-        ok = await container.daemon.call(
-            container.daemon.client.put_archive, container.id, self.spec.workdir, blob
-        )
-        if not ok:
-            raise SandboxError("docker refused the snapshot")
+        msg = {"op": "restore", "data": base64.b64encode(blob).decode("ascii")}
+        await self._file_op(msg, "the snapshot")
 
     async def close(self) -> None:
         """Remove the container (or, with ``options.reuse``, reset it and return it to the
@@ -965,15 +1027,6 @@ class DockerSandbox(Sandbox):
         except asyncio.CancelledError:
             await asyncio.wait([task])
             raise
-
-
-def _strip_root(name: str) -> str | None:
-    """A member name of docker's archive of the working directory (``workspace/...``),
-    relative to that directory (None: the directory's own entry)."""
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if len(parts) <= 1:
-        return None
-    return "/".join(parts[1:])
 
 
 def _check_blob(blob: bytes) -> None:

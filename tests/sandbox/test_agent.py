@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
+import hashlib
+import hmac
 import os
 import signal
 import struct
@@ -212,10 +215,9 @@ async def test_channel_demultiplexes_docker_frames() -> None:
         return struct.pack(">BxxxI", kind, len(data)) + data
 
     def agent_frame(msg: dict[str, Any]) -> bytes:
-        body = json.dumps(msg).encode()
-        return struct.pack(">I", len(body)) + body
+        return signed(channel, json.dumps(msg).encode())
 
-    stream = agent_frame({"hello": 1, "pid": 7}) + agent_frame({"id": 1, "ok": True})
+    stream = agent_frame({"hello": 1, "pid": 7}) + agent_frame({"id": "1", "ok": True})
     reader.feed_data(docker_frame(1, stream[:5]))
     reader.feed_data(docker_frame(2, b"a warning\n"))
     reader.feed_data(docker_frame(1, stream[5:]))
@@ -237,15 +239,65 @@ async def test_a_frame_that_is_not_a_json_object_fails_the_channel(body: bytes) 
     waiting."""
     reader = asyncio.StreamReader()
     channel = AgentChannel(reader, _NullWriter(), multiplexed=False, name="odd")  # type: ignore[arg-type]
-    hello = b'{"hello": 1, "pid": 7}'
-    reader.feed_data(struct.pack(">I", len(hello)) + hello)
+    reader.feed_data(signed(channel, b'{"hello": 1, "pid": 7}'))
     await channel.start(5)
     pending = asyncio.ensure_future(channel.request({"op": "ping"}))
     await asyncio.sleep(0)
-    reader.feed_data(struct.pack(">I", len(body)) + body)
+    reader.feed_data(signed(channel, body))
     with pytest.raises(SandboxError, match="malformed frame"):
         await asyncio.wait_for(pending, 5)
     assert not channel.alive
+
+
+def signed(channel: AgentChannel, body: bytes) -> bytes:
+    """A reply frame as the agent sends it: length, HMAC under the channel's key, body."""
+    mac = hmac.new(channel._key, body, hashlib.sha256).digest()
+    return struct.pack(">I", len(mac) + len(body)) + mac + body
+
+
+async def file_op(agent: Agent, **msg: Any) -> dict[str, Any]:
+    return await agent.channel.request(msg, timeout=10)
+
+
+async def test_files_move_through_the_agent_inside_the_working_directory(
+    agent: Agent, tmp_path: Path
+) -> None:
+    data = base64.b64encode(bytes(range(256))).decode()
+    assert (await file_op(agent, op="write", path="a/b/c.bin", data=data))["ok"]
+    assert (agent.workdir / "a/b/c.bin").read_bytes() == bytes(range(256))
+    reply = await file_op(agent, op="read", path="a/b/c.bin")
+    assert base64.b64decode(reply["data"]) == bytes(range(256))
+    (agent.workdir / "inside").symlink_to("a/b/c.bin")
+    reply = await file_op(agent, op="read", path="inside")
+    assert base64.b64decode(reply["data"]) == bytes(range(256))
+    secret = tmp_path / "secret"
+    secret.write_text("host secret")
+    (agent.workdir / "out").symlink_to(secret)
+    (agent.workdir / "outdir").symlink_to(tmp_path)
+    for path in ("out", "outdir/secret"):
+        reply = await file_op(agent, op="read", path=path)
+        assert reply["error"] == "outside" and "data" not in reply
+        reply = await file_op(agent, op="write", path=path, data="eA==")
+        assert path == "out" or reply["error"] == "outside"
+    assert secret.read_text() == "host secret"  # "out" was replaced, not written through
+    assert not (agent.workdir / "out").is_symlink()
+    assert (await file_op(agent, op="read", path="a"))["errno"] == errno.EISDIR
+    assert (await file_op(agent, op="read", path="nope"))["errno"] == errno.ENOENT
+
+
+async def test_snapshot_and_restore_through_the_agent(agent: Agent) -> None:
+    (agent.workdir / "d").mkdir()
+    (agent.workdir / "d" / "f").write_text("1")
+    (agent.workdir / "g").write_text("2")
+    os.chmod(agent.workdir / "g", 0o755)
+    (agent.workdir / "h").symlink_to("g")
+    blob = (await file_op(agent, op="snapshot"))["data"]
+    (agent.workdir / "g").write_text("changed")
+    (agent.workdir / "new").write_text("x")
+    assert (await file_op(agent, op="restore", data=blob))["ok"]
+    assert sorted(os.listdir(agent.workdir)) == ["d", "g", "h"]
+    assert (agent.workdir / "g").read_text() == "2" and os.access(agent.workdir / "g", os.X_OK)
+    assert os.readlink(agent.workdir / "h") == "g"
 
 
 class _NullWriter:

@@ -84,7 +84,9 @@ async def test_container_has_the_safe_defaults(sb: Any) -> None:
     assert hc["Memory"] == 256 * 1024 * 1024 and hc["MemorySwap"] == hc["Memory"]
     assert hc["NanoCpus"] == 1_000_000_000 and hc["PidsLimit"] == 256
     assert hc["CapDrop"] == ["ALL"] and "no-new-privileges" in hc["SecurityOpt"]
-    assert hc["Init"] is True and "/tmp" in hc["Tmpfs"]
+    assert sorted(hc["CapAdd"]) == ["KILL", "SETGID", "SETUID"]  # the agent's, not commands'
+    assert hc["Init"] is True and hc["ReadonlyRootfs"] is True
+    assert "size=1024m" in hc["Tmpfs"]["/workspace"] and "size=256m" in hc["Tmpfs"]["/tmp"]
     labels = info["Config"]["Labels"]
     assert labels["agentroll.episode"] == "test-episode"
     assert float(labels["agentroll.ttl"]) == 3600
@@ -181,8 +183,13 @@ async def test_a_hung_agent_is_timed_out_from_outside_and_the_sandbox_marked_bro
     sb: Any,
 ) -> None:
     reply = await sb._live().channel.request({"op": "ping"}, timeout=5)
-    # The command stops the agent itself: only the outside timeout can end the call.
-    res = await sb.exec(f"kill -STOP {reply['pid']}", timeout=0.5)
+    # The host stops the agent during a call (a command cannot: tests/security): only the
+    # outside timeout can end the call.
+    client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+    stop = client.exec_create(sb.container_id, ["kill", "-STOP", str(reply["pid"])], user="0")
+    call = asyncio.ensure_future(sb.exec("sleep 0.3", timeout=0.5))
+    await asyncio.to_thread(client.exec_start, stop)
+    res = await call
     assert res.timed_out and "no answer" in res.stderr
     with pytest.raises(SandboxError, match="broken"):
         await sb.exec("true")
