@@ -1,10 +1,11 @@
 """Fix a small buggy Python function; the reward is the fraction of its unit tests passed.
 
 Invariants: tasks are built in; the candidate is the last ```python block of the final
-message, else the ``solution.py`` the model wrote; tests run in the episode's sandbox in a
-``python3 -I`` process with a per-test alarm and a whole-run timeout (a crash, hang or exit
-fails the tests it stops).  The result line carries a fresh nonce, which stops stray
-prints, not a hostile candidate (it shares the harness's interpreter).
+message, else the ``solution.py`` the model wrote; each test is a call whose expected
+value stays on the host: the sandbox's ``python3 -I`` process (a per-test alarm, a
+whole-run timeout) reports only the JSON values the calls returned, and the host compares
+them, so a candidate that takes over that process can only score by producing the right
+values.  A crash, hang or exit fails the tests it stops.
 """
 
 from __future__ import annotations
@@ -19,61 +20,69 @@ from agentroll.tools.files import read_file, write_file
 from agentroll.tools.python_exec import python_exec
 from agentroll.types import Task, Trajectory
 
-# (name, buggy source, fixed source, tests: expressions that are true for a correct fix)
-_TASKS = [
+# (name, buggy source, fixed source, tests: (call, the value a correct fix returns))
+_TASKS: list[tuple[str, str, str, list[tuple[str, object]]]] = [
     (
         "mean",
         "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
         "def mean(xs):\n    return sum(xs) / len(xs)\n",
-        ["mean([1, 2, 3]) == 2", "mean([4]) == 4", "mean([2, 4]) == 3"],
+        [("mean([1, 2, 3])", 2), ("mean([4])", 4), ("mean([2, 4])", 3)],
     ),
     (
         "factorial",
         "def factorial(n):\n    out = 1\n    for i in range(1, n):\n        out *= i\n    return out\n",
         "def factorial(n):\n    out = 1\n    for i in range(1, n + 1):\n        out *= i\n    return out\n",
-        ["factorial(0) == 1", "factorial(1) == 1", "factorial(5) == 120"],
+        [("factorial(0)", 1), ("factorial(1)", 1), ("factorial(5)", 120)],
     ),
     (
         "is_palindrome",
         "def is_palindrome(s):\n    return s.lower() == s[::-1]\n",
         "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]\n",
-        ["is_palindrome('abba')", "is_palindrome('Racecar')", "not is_palindrome('abc')"],
+        [
+            ("is_palindrome('abba')", True),
+            ("is_palindrome('Racecar')", True),
+            ("is_palindrome('abc')", False),
+        ],
     ),
     (
         "fizzbuzz",
         "def fizzbuzz(n):\n    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n    if n % 15 == 0:\n        return 'FizzBuzz'\n    return str(n)\n",
         "def fizzbuzz(n):\n    if n % 15 == 0:\n        return 'FizzBuzz'\n    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n    return str(n)\n",
         [
-            "fizzbuzz(9) == 'Fizz'",
-            "fizzbuzz(10) == 'Buzz'",
-            "fizzbuzz(30) == 'FizzBuzz'",
-            "fizzbuzz(7) == '7'",
+            ("fizzbuzz(9)", "Fizz"),
+            ("fizzbuzz(10)", "Buzz"),
+            ("fizzbuzz(30)", "FizzBuzz"),
+            ("fizzbuzz(7)", "7"),
         ],
     ),
     (
         "last_word",
         "def last_word(s):\n    return s.split(' ')[-1]\n",
         "def last_word(s):\n    words = s.split()\n    return words[-1] if words else ''\n",
-        ["last_word('hello world') == 'world'", "last_word('a b  ') == 'b'", "last_word('') == ''"],
+        [("last_word('hello world')", "world"), ("last_word('a b  ')", "b"), ("last_word('')", "")],
     ),
 ]
 
-_HARNESS = """\
+# Runs the candidate and prints the JSON value of each call (null where it failed).
+_RUNNER = """\
 import json, signal, sys
 req = json.loads(sys.stdin.read())
+dumps = json.dumps
 def on_alarm(*_): raise TimeoutError("took too long")
 signal.signal(signal.SIGALRM, on_alarm)
-namespace, passed = {"__name__": "solution"}, 0
+namespace, values = {"__name__": "solution"}, []
 try:
     signal.alarm(req["alarm"])
     exec(compile(req["code"], "solution.py", "exec"), namespace)
-    for test in req["tests"]:
+    for call in req["calls"]:
         signal.alarm(req["alarm"])
-        try: passed += eval(test, dict(namespace)) is True
-        except Exception: pass
+        try:
+            values.append(dumps(eval(call, dict(namespace))))
+        except Exception:
+            values.append("null")
 except BaseException: pass
 signal.alarm(0)
-print(req["nonce"], passed)
+print(req["nonce"], dumps(values))
 """
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -95,7 +104,11 @@ class CodeFix(Environment):
         return [
             Task(
                 id=f"code_fix-{name}",
-                data={"prompt": f"Fix this function:\n```python\n{buggy}```", "tests": tests},
+                data={
+                    "prompt": f"Fix this function:\n```python\n{buggy}```",
+                    "tests": [call for call, _ in tests],
+                    "expected": [value for _, value in tests],
+                },
                 answer=fixed,
             )
             for name, buggy, fixed, tests in _TASKS
@@ -113,21 +126,44 @@ class CodeFix(Environment):
             return None
 
     async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
-        tests: list[str] = state.task.data["tests"]
+        calls: list[str] = state.task.data["tests"]
+        expected: list[object] = state.task.data["expected"]
         sandbox = state.sandbox
         code = None if sandbox is None else await self.candidate(trajectory, sandbox)
         if sandbox is None or code is None:
             return 0.0
         nonce = secrets.token_hex(16)
-        request = {"code": code, "tests": tests, "nonce": nonce, "alarm": self.test_alarm}
-        await sandbox.write_file(".agentroll/check.py", _HARNESS)
+        request = {"code": code, "calls": calls, "nonce": nonce, "alarm": self.test_alarm}
         result = await sandbox.exec(
-            ["python3", "-I", ".agentroll/check.py"],
-            stdin=json.dumps(request),
-            timeout=self.test_timeout,
+            ["python3", "-I", "-c", _RUNNER], stdin=json.dumps(request), timeout=self.test_timeout
         )
+        values: list[object] | None = None
         for line in result.stdout.splitlines():
-            tag, _, passed = line.partition(" ")
+            tag, _, rest = line.partition(" ")
             if tag == nonce:
-                return int(passed) / len(tests)
-        return 0.0
+                values = _decode(rest, len(calls))
+        if values is None:
+            return 0.0
+        return sum(_same(got, want) for got, want in zip(values, expected, strict=True)) / len(
+            calls
+        )
+
+
+def _decode(line: str, n: int) -> list[object] | None:
+    """The values of a result line: a JSON list of ``n`` JSON texts; None if malformed."""
+    try:
+        texts = json.loads(line)
+        if not isinstance(texts, list) or len(texts) != n:
+            return None
+        return [json.loads(t) if isinstance(t, str) else None for t in texts]
+    except ValueError:
+        return None
+
+
+def _same(got: object, want: object) -> bool:
+    """Equal as values, with booleans never equal to numbers (True is not 1)."""
+    if isinstance(got, bool) or isinstance(want, bool):
+        return got is want
+    if isinstance(want, int | float) and isinstance(got, int | float):
+        return got == want
+    return type(got) is type(want) and got == want

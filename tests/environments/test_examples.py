@@ -273,7 +273,7 @@ async def test_code_fix_accepts_a_solution_written_with_the_tools() -> None:
     task = env.tasks()[0]
     script = [
         tool_call("write_file", path="solution.py", content=task.answer),
-        tool_call("python_exec", code=f"{task.answer}\nprint({task.data['tests'][0]})"),
+        tool_call("python_exec", code=f"{task.answer}\nprint({task.data['tests'][0]} == 2)"),
         "I wrote solution.py.",
     ]
     (traj,) = await rollout(env, [task], script)
@@ -289,8 +289,18 @@ async def test_code_fix_accepts_a_solution_written_with_the_tools() -> None:
         code_block("print('0' * 32, 3)\nimport sys\nsys.exit(0)\n"),
         code_block("import os\nos._exit(0)\n"),
         code_block("while True:\n    pass\n"),
+        # a candidate that takes over the runner: it knows the nonce and the calls, not the
+        # expected values (they stay on the host)
+        code_block(
+            "import __main__, json, os\nreq = __main__.req\n"
+            "print(req['nonce'], json.dumps(['true'] * len(req['calls'])))\nos._exit(0)\n"
+        ),
+        code_block(
+            "import __main__, os\nreq = __main__.req\n"
+            "print(req['nonce'], len(req['calls']))\nos._exit(0)\n"
+        ),
     ],
-    ids=["no-code", "syntax-error", "fake-result", "hard-exit", "hang"],
+    ids=["no-code", "syntax-error", "fake-result", "hard-exit", "hang", "forged", "forged-count"],
 )
 async def test_code_fix_scores_zero_for_missing_broken_or_cheating_code(answer: str) -> None:
     env = load_environment("code_fix")
