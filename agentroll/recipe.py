@@ -231,7 +231,7 @@ class SandboxSection(_Section, frozen=True):
     timeout: float | None = None  # None: the environment's own
     image: str | None = None  # docker: default agentroll/base:host (host runtime mounted)
     memory_mb: int | None = None  # None: the environment's own
-    options: dict[str, Any] = {}  # docker only: DockerOptions fields (docker_host, cpus, ...)
+    options: dict[str, Any] = {}  # docker only: DockerOptions fields (docker_host, ttl, ...)
 
     def __post_init__(self) -> None:
         super().__post_init__()

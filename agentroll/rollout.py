@@ -371,9 +371,6 @@ class RolloutEngine:
 
         async def next_job() -> _Job | None:
             async with gate:  # one group is admitted at a time, and whole
-                # a paused engine starts no episode: a stop checkpoints what runs, and the
-                # episodes it would start keep their place (``take_unstarted``)
-                await self.pauses.gate.wait()
                 job = next(jobs, None)
                 if job is None or job[3] is not None or (job[2], job[1]) in owed:
                     return job  # continued, or a sample of a group already started
@@ -388,15 +385,19 @@ class RolloutEngine:
         # Workers follow the jobs: the newest one, once it holds a job, starts the next (up to
         # ``concurrency``), so start-up costs what runs, not the setting (a concurrency of
         # 65536 for 8 tasks starts 9 workers), and the loop is never blocked spawning them.
+        # The next one waits out a pause first: a stop's checkpoint sees a fixed set of
+        # episodes, not a ramp that keeps adding to it.
         tg, workers = self._tg, list[asyncio.Task[None]]()
 
         def spawn() -> None:
-            w = tg.create_task(worker())
+            w = tg.create_task(worker(ramp=bool(workers)))
             workers.append(w)
             self._workers.add(w)
 
-        async def worker() -> None:
+        async def worker(ramp: bool) -> None:
             try:
+                if ramp:
+                    await self.pauses.gate.wait()
                 while (job := await next_job()) is not None:
                     newest = workers[-1] is asyncio.current_task()
                     if newest and len(workers) < self.config.concurrency:
