@@ -157,6 +157,9 @@ class RolloutEngine:
         # write are what a stop must hand back (take_unstarted)
         self._owed: dict[tuple[str, int], EpisodeJob] = {}
         self._checkpointed: set[tuple[str, int]] = set()
+        # cleared by checkpoint() until resume(): run() starts no more workers meanwhile
+        self._ramp = asyncio.Event()
+        self._ramp.set()
         self.pauses = PauseController(backend, self._views)
         self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0}
 
@@ -223,6 +226,7 @@ class RolloutEngine:
 
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> float:
         """Continue every episode where it stopped; returns the seconds spent paused."""
+        self._ramp.set()
         return await self.pauses.resume(policies)
 
     async def sync(self, update: Any, *, policy: ResumePolicy | PolicyFn = "keep") -> float:
@@ -259,7 +263,10 @@ class RolloutEngine:
         self, directory: str | Path, *, with_kv: bool = True, timeout: float | None = 60.0
     ) -> list[Path]:
         """Write an ``EpisodeCheckpoint`` of every live episode under ``directory`` (one
-        sub-directory per episode).  The engine must be paused; it stays paused."""
+        sub-directory per episode).  The engine must be paused; it stays paused, and
+        ``run`` starts no more workers until ``resume`` (the set it writes is not ramping)."""
+        if self.paused:
+            self._ramp.clear()
         await self.quiesce(timeout)
         out = Path(directory)
         await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
@@ -385,8 +392,8 @@ class RolloutEngine:
         # Workers follow the jobs: the newest one, once it holds a job, starts the next (up to
         # ``concurrency``), so start-up costs what runs, not the setting (a concurrency of
         # 65536 for 8 tasks starts 9 workers), and the loop is never blocked spawning them.
-        # The next one waits out a pause first: a stop's checkpoint sees a fixed set of
-        # episodes, not a ramp that keeps adding to it.
+        # Once a checkpoint began, the next one waits for ``resume``: a stop's checkpoint
+        # sees a settled set of episodes, not a ramp that keeps adding to it.
         tg, workers = self._tg, list[asyncio.Task[None]]()
 
         def spawn() -> None:
@@ -397,7 +404,7 @@ class RolloutEngine:
         async def worker(ramp: bool) -> None:
             try:
                 if ramp:
-                    await self.pauses.gate.wait()
+                    await self._ramp.wait()
                 while (job := await next_job()) is not None:
                     newest = workers[-1] is asyncio.current_task()
                     if newest and len(workers) < self.config.concurrency:
