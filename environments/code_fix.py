@@ -1,11 +1,10 @@
 """Fix a small buggy Python function; the reward is the fraction of its unit tests passed.
 
 Invariants: tasks are built in; the candidate is the last ```python block of the final
-message, else the ``solution.py`` the model wrote; each test is a call whose expected
-value stays on the host: the sandbox's ``python3 -I`` process (a per-test alarm, a
-whole-run timeout) reports only the JSON values the calls returned, and the host compares
-them, so a candidate that takes over that process can only score by producing the right
-values.  A crash, hang or exit fails the tests it stops.
+message, else the ``solution.py`` the model wrote; each test is a call whose expected value
+stays on the host: the sandbox's ``python3 -I`` process (a per-test alarm, a whole-run
+timeout) only reports the values the calls returned, so a candidate that takes it over
+scores only by producing the right values; a crash, hang or exit fails what it stops.
 """
 
 from __future__ import annotations
@@ -63,23 +62,20 @@ _TASKS: list[tuple[str, str, str, list[tuple[str, object]]]] = [
     ),
 ]
 
-# Runs the candidate and prints the JSON value of each call (null where it failed).
+# Runs the candidate and prints the values the calls returned (null where one failed).
 _RUNNER = """\
 import json, signal, sys
-req = json.loads(sys.stdin.read())
-dumps = json.dumps
+req, dumps, values = json.loads(sys.stdin.read()), json.dumps, []
 def on_alarm(*_): raise TimeoutError("took too long")
 signal.signal(signal.SIGALRM, on_alarm)
-namespace, values = {"__name__": "solution"}, []
+namespace = {"__name__": "solution"}
 try:
     signal.alarm(req["alarm"])
     exec(compile(req["code"], "solution.py", "exec"), namespace)
     for call in req["calls"]:
         signal.alarm(req["alarm"])
-        try:
-            values.append(dumps(eval(call, dict(namespace))))
-        except Exception:
-            values.append("null")
+        try: values.append(dumps(eval(call, dict(namespace))))
+        except Exception: values.append("null")
 except BaseException: pass
 signal.alarm(0)
 print(req["nonce"], dumps(values))
@@ -137,33 +133,17 @@ class CodeFix(Environment):
         result = await sandbox.exec(
             ["python3", "-I", "-c", _RUNNER], stdin=json.dumps(request), timeout=self.test_timeout
         )
-        values: list[object] | None = None
+        values: list[object] = []
         for line in result.stdout.splitlines():
             tag, _, rest = line.partition(" ")
             if tag == nonce:
-                values = _decode(rest, len(calls))
-        if values is None:
-            return 0.0
-        return sum(_same(got, want) for got, want in zip(values, expected, strict=True)) / len(
-            calls
-        )
-
-
-def _decode(line: str, n: int) -> list[object] | None:
-    """The values of a result line: a JSON list of ``n`` JSON texts; None if malformed."""
-    try:
-        texts = json.loads(line)
-        if not isinstance(texts, list) or len(texts) != n:
-            return None
-        return [json.loads(t) if isinstance(t, str) else None for t in texts]
-    except ValueError:
-        return None
+                try:
+                    values = [json.loads(text) for text in json.loads(rest)][: len(calls)]
+                except (ValueError, TypeError):
+                    values = []
+        return sum(map(_same, values, expected)) / len(calls)
 
 
 def _same(got: object, want: object) -> bool:
     """Equal as values, with booleans never equal to numbers (True is not 1)."""
-    if isinstance(got, bool) or isinstance(want, bool):
-        return got is want
-    if isinstance(want, int | float) and isinstance(got, int | float):
-        return got == want
-    return type(got) is type(want) and got == want
+    return got is want if isinstance(got, bool) or isinstance(want, bool) else got == want
