@@ -2,8 +2,9 @@
 
 A recipe names the environment, model, backend, sampling, sandbox, sync strategy and
 interval, staleness bound and trainer settings.  Invariants: a recipe is validated as a
-whole by msgspec before anything starts, and every error names the offending field
-(``sync.strategy: ...``); unknown fields are refused (a typo is never silently ignored);
+whole by msgspec before anything starts; every number has a ``Bound`` (finite, both ends);
+every error names the offending field as written in the TOML (``sync.strategy: ...``), and
+for a number its value and range; unknown fields are refused (a typo is never ignored);
 ``resolved()`` is self-contained (relative paths made absolute, defaults filled in), so the
 copy written into a run directory repeats the run.
 """
