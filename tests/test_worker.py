@@ -108,6 +108,8 @@ class Stoppable(Environment):
     def __init__(self, backend: Paced | None = None) -> None:
         self.backend = backend
         self.calls: list[str] = []  # shared by every episode's copy
+        # whatever an earlier test left (ray.init installs its own): the worker's differs
+        self.handler_before = signal.getsignal(signal.SIGTERM)
 
     @tool
     async def work(self, x: int, state: EpisodeState) -> str:
@@ -115,7 +117,7 @@ class Stoppable(Environment):
         self.calls.append(state.task.id)
         if self.backend is not None and len(self.calls) == 1:
             # a handler is installed by the worker: the signal cannot kill the test run
-            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+            assert signal.getsignal(signal.SIGTERM) not in (self.handler_before, None)
             os.kill(os.getpid(), signal.SIGTERM)
             await self.backend.paused_event.wait()
         return f"worked on {x} for {state.task.id}"
@@ -145,7 +147,7 @@ async def test_sigterm_checkpoints_in_flight_episodes_and_a_restart_finishes_the
     backend = Paced(SCRIPT, tokenizer=tok)
     env = Stoppable(backend)
     first = await run_worker(env, backend, out=out, checkpoint_dir=cp_dir, tasks=TASKS, config=CFG)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone again
+    assert signal.getsignal(signal.SIGTERM) is env.handler_before  # the handler is gone again
     assert first.stopped and first.checkpointed == 2
     assert "status=stopped checkpointed=2" in first.line()
     cps = {cp.task.id: cp for cp in load_checkpoints(cp_dir)}
