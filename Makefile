@@ -45,6 +45,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check agentroll environments tools examples tests
 	$(BIN)/mypy
 	$(BIN)/mypy environments tools
+	$(BIN)/lint-imports
 
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
 test: $(STAMP) $(VLLM_STAMP) services lint

@@ -5,7 +5,6 @@ optional dependencies (torch kernels, vllm, docker, ray) are imported lazily by 
 that need them.
 """
 
-from agentroll.admission import AdmissionController
 from agentroll.backends import (
     Backend,
     GenerationChunk,
@@ -14,9 +13,7 @@ from agentroll.backends import (
     MockResponse,
     SamplingParams,
 )
-from agentroll.buffer import BufferConfig, TrajectoryBuffer
 from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
-from agentroll.checkpoint import EpisodeCheckpoint, load_checkpoints
 from agentroll.env import Environment, EpisodeState, Rubric, load_environment
 from agentroll.errors import (
     AgentrollError,
@@ -34,10 +31,13 @@ from agentroll.errors import (
     ToolError,
     WeightSyncError,
 )
-from agentroll.metrics import MetricsWriter
-from agentroll.pause import EpisodeView, fixed_policy, staleness_policy
-from agentroll.recipe import Recipe, load_recipe
-from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.rollout.admission import AdmissionController
+from agentroll.rollout.buffer import BufferConfig, TrajectoryBuffer
+from agentroll.rollout.checkpoint import EpisodeCheckpoint, load_checkpoints
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.rollout.pause import EpisodeView, fixed_policy, staleness_policy
+from agentroll.run.metrics import MetricsWriter
+from agentroll.run.recipe import Recipe, load_recipe
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
 from agentroll.tool import Tool, tool
 from agentroll.types import (

@@ -80,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bst.add_argument("--trajectories", type=int, default=20_000)
     bst.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
 
-    from agentroll.bench_chaos import add_cli_args as add_chaos_args
+    from agentroll.bench.chaos import add_cli_args as add_chaos_args
 
     add_chaos_args(
         bsub.add_parser(
@@ -197,25 +197,26 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if args.command == "bench" and args.bench == "overhead":
-            from agentroll.bench import main_overhead
+            from agentroll.bench.overhead import main_overhead
 
             for name in ("episodes", "turns", "concurrency"):
                 if getattr(args, name) < 1:
                     raise SystemExit(f"--{name} must be >= 1")
             main_overhead(args.episodes, args.turns, args.concurrency)
         elif args.command == "bench" and args.bench == "engine":
-            from agentroll.bench_engine import main_engine
+            from agentroll.bench.engine import main_engine
 
             if args.concurrency < 1 or args.max_tokens < 1:
                 raise SystemExit("--concurrency and --max-tokens must be >= 1")
             main_engine(args.concurrency, args.max_tokens, args.model, args.threads)
         elif args.command == "validate":
-            from agentroll.validate import ensure_tiny_model, run_checks
+            from agentroll.model.tiny import ensure_tiny_model
+            from agentroll.validate import run_checks
 
             if args.backend == "vllm":
                 import asyncio
 
-                from agentroll.validate_vllm import run_vllm_checks
+                from agentroll.validate.vllm import run_vllm_checks
 
                 results = asyncio.run(run_vllm_checks(ensure_tiny_model(args.model)))
             else:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(r.line(), flush=True)
             return 0 if all(r.passed for r in results) else 1
         elif args.command == "model" and args.model_command == "sizes":
-            from agentroll.weights.artifacts import sizes_for_checkpoint, sizes_for_params
+            from agentroll.model.sizes import sizes_for_checkpoint, sizes_for_params
 
             try:
                 result = sizes_for_params(int(float(args.target)), args.dtype)
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.bench == "pause":
             import asyncio
 
-            from agentroll.bench_pause import format_line, run_pause_bench
+            from agentroll.bench.pause import format_line, run_pause_bench
 
             if args.replicas < 1 or args.episodes < 2 or not 0 < args.syncs < args.episodes:
                 raise SystemExit("need --replicas >= 1 and 0 < --syncs < --episodes")
@@ -255,23 +256,23 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(format_line(figures))
         elif args.command == "bench" and args.bench == "sync":
-            from agentroll.bench_sync import main_sync
+            from agentroll.bench.sync import main_sync
 
             if args.params < 1 or not 0 <= args.changed <= 1:
                 raise SystemExit("--params must be >= 1 and --changed within [0, 1]")
             main_sync(args.params, args.changed, args.dtype)
         elif args.command == "bench" and args.bench == "stream":
-            from agentroll.bench_stream import main_stream
+            from agentroll.bench.stream import main_stream
 
             if args.trajectories < 1 or args.tokens < 9:
                 raise SystemExit("--trajectories must be >= 1 and --tokens >= 9")
             main_stream(args.trajectories, args.tokens)
         elif args.command == "bench" and args.bench == "chaos":
-            from agentroll.bench_chaos import main as main_chaos
+            from agentroll.bench.chaos import main as main_chaos
 
             return main_chaos(args)
         elif args.command == "bench" and args.bench == "sandbox":
-            from agentroll.bench_sandbox import main_sandbox
+            from agentroll.bench.sandbox import main_sandbox
 
             for name in ("execs", "acquires", "cold_starts"):
                 if getattr(args, name) < 1:
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 cold_starts=args.cold_starts,
             )
         elif args.command == "bench" and args.bench == "vllm":
-            from agentroll.bench_vllm import main_vllm
+            from agentroll.bench.vllm import main_vllm
 
             main_vllm(args.concurrency, args.max_tokens, args.model, args.rounds)
         elif args.command == "model" and args.model_command == "create-tiny":
@@ -313,15 +314,15 @@ def main(argv: list[str] | None = None) -> int:
                 for line in docker_sandbox.describe_containers(args.docker_host):
                     print(line)
         elif args.command == "run":
-            from agentroll.loop import run_recipe
+            from agentroll.run.loop import run_recipe
 
             return run_recipe(args.recipe, run_dir=args.run_dir)
         elif args.command == "report":
-            from agentroll.report import main_report
+            from agentroll.run.report import main_report
 
             return main_report(args.run_dir)
         elif args.command == "worker" and args.recipe is not None:
-            from agentroll.service import main_service
+            from agentroll.run.service import main_service
 
             served = main_service(
                 args.recipe,
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(json.dumps(served), flush=True)
         elif args.command == "worker":
-            from agentroll.worker import main_worker
+            from agentroll.run.worker import main_worker
 
             if args.env is None or args.out is None or args.checkpoint_dir is None:
                 raise SystemExit(

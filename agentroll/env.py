@@ -305,7 +305,8 @@ def environment_class(name: str) -> type[Environment]:
     for ep in importlib.metadata.entry_points(group="agentroll.environments"):
         if ep.name == name:
             return ep.load()
-    import agentroll.environments as builtin
+    # looked up by name: the built-in environments live outside this package's folder
+    builtin = importlib.import_module("agentroll.environments")
 
     try:
         module = importlib.import_module(f"agentroll.environments.{name}")

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -22,6 +23,10 @@ import numpy as np
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 Status = Literal["ok", "truncated", "failed"]
+#: what happens to a generation in flight when the weights change under it
+ResumePolicy = Literal["keep", "recompute", "restart"]
+#: how a fleet moves its replicas to new weights
+Strategy = Literal["pause", "rolling", "drain", "background"]
 
 _I4_MAX = int(np.iinfo(np.int32).max)
 
@@ -33,6 +38,30 @@ TOKEN_ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
     "policy_version": np.dtype("<i4"),
     "kv_version": np.dtype("<i4"),
 }
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    """Per-request sampling parameters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+    ignore_eos: bool = False  # keep going past the end-of-sequence token (benchmarks)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature < math.inf:  # NaN too: it made every probability NaN
+            raise ValueError("temperature must be a finite number >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
 
 
 def _as_token_array(name: str, values: Any, dtype: np.dtype[Any]) -> np.ndarray:

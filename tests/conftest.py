@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from agentroll.chat import ChatTokenizer
-from agentroll.tokenizer import tiny_chat_tokenizer
+from agentroll.model.tokenizer import tiny_chat_tokenizer
 
 if TYPE_CHECKING:
     from agentroll.fleet.replica import Replica

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from agentroll.chat import ChatTokenizer, HermesToolParser
 from agentroll.errors import ChatTemplateError
-from agentroll.tokenizer import CHAT_TEMPLATE, build_tokenizer, save_tokenizer
+from agentroll.model.tokenizer import CHAT_TEMPLATE, build_tokenizer, save_tokenizer
 from agentroll.types import Message, ToolCall, ToolSpec, encode_msgpack
 
 TOOLS = [

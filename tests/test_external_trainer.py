@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agentroll.metrics import read_trace
-from agentroll.recipe import parse_recipe
-from agentroll.service import RolloutService
+from agentroll.run.metrics import read_trace
+from agentroll.run.recipe import parse_recipe
+from agentroll.run.service import RolloutService
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = """

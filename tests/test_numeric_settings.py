@@ -14,10 +14,11 @@ import pytest
 from agentroll.backends.base import SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.errors import ConfigError
-from agentroll.rollout import RolloutConfig
+from agentroll.model.tokenizer import tiny_chat_tokenizer
+from agentroll.rollout.engine import RolloutConfig
+from agentroll.sandbox import open_sandbox
 from agentroll.sandbox._ratelimit import TokenBucket
-from agentroll.sandbox.base import SandboxConfig, open_sandbox
-from agentroll.tokenizer import tiny_chat_tokenizer
+from agentroll.sandbox.base import SandboxConfig
 from agentroll.trainer.advantages import group_advantages
 from agentroll.trainer.grpo import GRPOConfig
 

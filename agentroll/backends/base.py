@@ -10,39 +10,12 @@ those of the distribution actually sampled from.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import msgspec
 
-from agentroll.types import FinishReason
-
-ResumePolicy = Literal["keep", "recompute", "restart"]
-
-
-class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
-    """Per-request sampling parameters."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    max_tokens: int = 512
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: bool = True
-    ignore_eos: bool = False  # keep going past the end-of-sequence token (benchmarks)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf:  # NaN too: it made every probability NaN
-            raise ValueError("temperature must be a finite number >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 disables it)")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+from agentroll.types import FinishReason, ResumePolicy, SamplingParams
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):

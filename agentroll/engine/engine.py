@@ -17,13 +17,12 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import torch
 
 from agentroll._fs import atomic_dir, read_json_object
-from agentroll.backends.base import SamplingParams
 from agentroll.chat import ChatTokenizer
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
 from agentroll.engine.models import read_config
@@ -31,10 +30,10 @@ from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
 from agentroll.errors import ConfigError
+from agentroll.types import ResumePolicy, SamplingParams
 from agentroll.weights.apply import StagedUpdate, WeightStore
 from agentroll.weights.update import WeightUpdate
 
-ResumePolicy = Literal["keep", "recompute", "restart"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

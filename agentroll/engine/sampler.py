@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentroll.backends.base import SamplingParams
+from agentroll.types import SamplingParams
 
 _NEG_INF = float("-inf")
 _MASK64 = (1 << 64) - 1

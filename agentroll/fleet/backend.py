@@ -28,10 +28,10 @@ from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest,
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
 from agentroll.fleet.router import ReplicaStatus, Router
+from agentroll.types import Strategy
 
 logger = logging.getLogger("agentroll.fleet")
 
-Strategy = Literal["pause", "rolling", "drain", "background"]
 STRATEGIES: tuple[Strategy, ...] = ("pause", "rolling", "drain", "background")
 PolicySource = Callable[[], Mapping[str, ResumePolicy]]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -89,7 +90,7 @@ def create_tiny(
     tokenizer size rounded up to a multiple of 64.  Raises ConfigError for impossible shapes.
     Existing files of the same names are overwritten.
     """
-    from agentroll.tokenizer import build_tokenizer, save_tokenizer
+    from agentroll.model.tokenizer import build_tokenizer, save_tokenizer
 
     heads = heads or max(1, hidden // HEAD_DIM)
     kv_heads = kv_heads or max(1, heads // 2)
@@ -137,3 +138,12 @@ def create_tiny(
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_tokenizer(out)
     return out
+
+
+def ensure_tiny_model(path: str | Path | None = None) -> Path:
+    """The tiny model directory (created on first use)."""
+    default = Path.home() / ".cache" / "agentroll" / "tiny-qwen2"
+    p = Path(path) if path else Path(os.environ.get("AGENTROLL_TINY_MODEL", str(default)))
+    if not (p / "model.safetensors").exists():
+        create_tiny(p)
+    return p

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import msgspec
 
-from agentroll.sandbox.base import Sandbox, SandboxConfig, open_sandbox
+from agentroll.sandbox import open_sandbox
+from agentroll.sandbox.base import Sandbox, SandboxConfig
 
 __all__ = ["AUDIT_CONFIG", "PROBES", "Finding", "audit", "main_audit"]
 
@@ -445,8 +446,6 @@ def _host_pids(tag: str) -> list[int]:
 
 
 def _host_secrets() -> list[str]:
-    import agentroll
-
     home = Path.home()
     paths = [
         "/etc/shadow",
@@ -456,7 +455,7 @@ def _host_secrets() -> list[str]:
         str(home),
         str(home / ".cache"),
         str(home / ".ssh"),
-        str(Path(agentroll.__file__).resolve().parent.parent),  # the project tree
+        str(Path(__file__).resolve().parents[2]),  # the project tree (agentroll/sandbox/..)
         sys.prefix,  # the virtual environment
         str(Path(sys.executable).resolve()),
     ]

@@ -126,22 +126,3 @@ class Sandbox(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def open_sandbox(
-    config: SandboxConfig | None = None, *, episode_id: str | None = None, **overrides: Any
-) -> Sandbox:
-    """Create (not yet started) a sandbox of ``config.backend``.  ``episode_id`` labels
-    what the sandbox creates (docker containers) so leftovers can be traced to an episode."""
-    cfg = config or SandboxConfig()
-    if overrides:
-        cfg = msgspec.structs.replace(cfg, **overrides)
-    if cfg.backend == "local":
-        from agentroll.sandbox.local import LocalSandbox
-
-        return LocalSandbox(cfg)
-    if cfg.backend == "docker":
-        from agentroll.sandbox.docker import DockerSandbox
-
-        return DockerSandbox(cfg, episode_id=episode_id)
-    raise ValueError(f"unknown sandbox backend {cfg.backend!r}")

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 
-from agentroll.buffer import BufferConfig, Lease, TrajectoryBuffer
 from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.rollout.buffer import BufferConfig, Lease, TrajectoryBuffer
 from agentroll.stream.auth import check_token
 from agentroll.stream.client import (
     JSON,

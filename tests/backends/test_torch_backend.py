@@ -11,9 +11,9 @@ from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.torch import TorchBackend
 from agentroll.env import Environment, tool
 from agentroll.errors import BackendError
-from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.types import Task
-from agentroll.validate import (
+from agentroll.validate.parity import (
     check_batch_invariance,
     check_recompute_rescore,
     check_reference_parity,
@@ -156,7 +156,7 @@ async def test_rollout_on_the_torch_backend_with_restart_mid_turn(tiny_model: Pa
 
 
 async def test_restart_resume_rolls_back_and_replays(tiny_model: Path) -> None:
-    from agentroll.validate import collect_stream, sample_request
+    from agentroll.validate.common import collect_stream, sample_request
 
     async with TorchBackend(tiny_model) as backend:
         prompt = backend.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")

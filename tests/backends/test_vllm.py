@@ -212,7 +212,7 @@ async def test_cross_backend_parity_with_the_builtin_engine(
     of the served weights; that copy is checked against the trainer's own state here)."""
     import torch
 
-    from agentroll.validate_vllm import check_cross_backend_parity
+    from agentroll.validate.vllm import check_cross_backend_parity
 
     assert backend.policy_version == trainer.version  # the trainer's state is what vLLM serves
     served = backend.weights.store.tensors
@@ -243,7 +243,7 @@ async def test_a_consumer_that_leaves_aborts_its_request(backend: VLLMBackend) -
 async def test_bench_line(backend: VLLMBackend) -> None:
     import re
 
-    from agentroll.bench_vllm import format_line, run_vllm_bench
+    from agentroll.bench.vllm import format_line, run_vllm_bench
 
     result = await run_vllm_bench(4, 8, rounds=1, progress=False, backend=backend)
     line = format_line(result)
@@ -254,7 +254,7 @@ async def test_bench_line(backend: VLLMBackend) -> None:
 
 
 async def test_validate_checks_pass(backend: VLLMBackend) -> None:
-    from agentroll.validate_vllm import run_vllm_checks
+    from agentroll.validate.vllm import run_vllm_checks
 
     results = await run_vllm_checks(Path(backend.model_dir), backend=backend)
     assert [r.name for r in results] == [

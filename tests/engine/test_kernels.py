@@ -142,7 +142,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_off_switch_and_a_machine_without_a_compiler(tmp_path: Path) -> None:
     probe = (
         "from agentroll.engine import kernels; from agentroll.engine.model_runner import ModelRunner;"
-        "from agentroll.validate import ensure_tiny_model;"
+        "from agentroll.model.tiny import ensure_tiny_model;"
         "r = ModelRunner(ensure_tiny_model(), num_blocks=4); print('kernels', r.kernels is not None)"
     )
     off = _python(probe, AGENTROLL_CPU_KERNELS="0")
@@ -294,7 +294,7 @@ def test_decoder_forward_refuses_bad_indexes_before_writing(ext: ModuleType) -> 
     runner (tests/engine/test_model_runner.py), whose decode steps and batch-invariant
     steps run on it."""
     from agentroll.engine.model_runner import ForwardItem, ModelRunner
-    from agentroll.validate import ensure_tiny_model
+    from agentroll.model.tiny import ensure_tiny_model
 
     runner = ModelRunner(ensure_tiny_model(), num_blocks=8, block_size=4)
     plan = runner._plan([ForwardItem([1], 0, [0]), ForwardItem([2], 3, [1])])

@@ -14,8 +14,8 @@ import agentroll.environments
 from agentroll.backends.base import GenerationRequest
 from agentroll.backends.mock import MockBackend
 from agentroll.env import Environment, load_environment
-from agentroll.rollout import RolloutConfig, RolloutEngine, episode_seed
-from agentroll.tokenizer import tiny_chat_tokenizer
+from agentroll.model.tokenizer import tiny_chat_tokenizer
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine, episode_seed
 from agentroll.tools.calculator import evaluate
 from agentroll.types import Task, Trajectory, decode_msgpack, encode_msgpack
 

@@ -26,12 +26,12 @@ from agentroll.chat import ChatTokenizer
 from agentroll.env import Environment, EpisodeState, load_environment
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet import FleetBackend, LocalReplica, Replica, SyncReport
-from agentroll.pause import fixed_policy
-from agentroll.rollout import RolloutConfig, RolloutEngine
+from agentroll.model.tokenizer import tiny_chat_tokenizer
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.rollout.pause import fixed_policy
 from agentroll.testing import SyntheticTrainer
-from agentroll.tokenizer import tiny_chat_tokenizer
 from agentroll.types import Message, Task, Trajectory
-from agentroll.validate import collect_stream, sample_prompts
+from agentroll.validate.common import collect_stream, sample_prompts
 
 KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 

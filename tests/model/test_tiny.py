@@ -11,7 +11,7 @@ import torch
 from agentroll.engine.models import read_config
 from agentroll.errors import ConfigError
 from agentroll.model import create_tiny
-from agentroll.tokenizer import build_tokenizer
+from agentroll.model.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ import msgspec
 import pytest
 
 from agentroll.errors import SandboxError
-from agentroll.sandbox.base import SandboxConfig, open_sandbox
+from agentroll.sandbox import open_sandbox
+from agentroll.sandbox.base import SandboxConfig
 
 pytestmark = pytest.mark.docker
 
@@ -321,7 +322,8 @@ async def test_ttl_ends_a_container_and_the_reaper_removes_it() -> None:
 
 _WORKER = """
 import asyncio, sys
-from agentroll.sandbox.base import SandboxConfig, open_sandbox
+from agentroll.sandbox import open_sandbox
+from agentroll.sandbox.base import SandboxConfig
 
 async def main():
     cfg = SandboxConfig(backend="docker", options={"docker_host": sys.argv[1], "pool_size": 0})
@@ -397,8 +399,8 @@ async def test_64_concurrent_calculator_episodes_finish_without_leaks() -> None:
     from agentroll.backends.mock import MockBackend
     from agentroll.env import load_environment
     from agentroll.environments.calculator import demonstration
-    from agentroll.rollout import RolloutConfig, RolloutEngine
-    from agentroll.tokenizer import tiny_chat_tokenizer
+    from agentroll.model.tokenizer import tiny_chat_tokenizer
+    from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 
     tok = tiny_chat_tokenizer()
     env = load_environment("calculator", num_tasks=64, seed=5)

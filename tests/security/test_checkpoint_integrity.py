@@ -21,7 +21,11 @@ import torch
 from agentroll.backends.base import SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.checkpoint import (
+from agentroll.engine.engine import RequestSnapshot
+from agentroll.env import Environment, EpisodeState, tool
+from agentroll.errors import CheckpointError, ConfigError
+from agentroll.rollout.builder import TrajectoryBuilder
+from agentroll.rollout.checkpoint import (
     EpisodeCheckpoint,
     EpisodeJob,
     load_checkpoints,
@@ -32,16 +36,12 @@ from agentroll.checkpoint import (
     scan_checkpoints,
     unframe,
 )
-from agentroll.engine.engine import RequestSnapshot
-from agentroll.env import Environment, EpisodeState, tool
-from agentroll.errors import CheckpointError, ConfigError
-from agentroll.recipe import parse_recipe
-from agentroll.rollout import RolloutConfig, RolloutEngine
-from agentroll.service import UNSTARTED, RolloutService
-from agentroll.trajectory_builder import TrajectoryBuilder
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.run.recipe import parse_recipe
+from agentroll.run.service import UNSTARTED, RolloutService
+from agentroll.run.worker import read_trajectories, run_worker
 from agentroll.types import Task, Trajectory
-from agentroll.validate_checkpoint import same_trajectory
-from agentroll.worker import read_trajectories, run_worker
+from agentroll.validate.checkpoint import same_trajectory
 
 # -- every file of a checkpoint -------------------------------------------------------------------
 

@@ -23,9 +23,10 @@ import msgspec
 import pytest
 
 from agentroll.errors import SandboxError
+from agentroll.sandbox import open_sandbox
 from agentroll.sandbox._channel import AgentChannel
 from agentroll.sandbox.audit import AUDIT_CONFIG, PROBES, audit
-from agentroll.sandbox.base import SandboxConfig, open_sandbox
+from agentroll.sandbox.base import SandboxConfig
 
 pytestmark = pytest.mark.docker
 
@@ -239,8 +240,8 @@ async def test_code_fix_reward_cannot_be_forged_by_an_earlier_tool_call() -> Non
     from agentroll.backends.base import SamplingParams
     from agentroll.backends.mock import MockBackend
     from agentroll.env import load_environment
-    from agentroll.rollout import RolloutConfig, RolloutEngine
-    from agentroll.tokenizer import tiny_chat_tokenizer
+    from agentroll.model.tokenizer import tiny_chat_tokenizer
+    from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 
     tok = tiny_chat_tokenizer()
     long_turns = SamplingParams(max_tokens=4096)

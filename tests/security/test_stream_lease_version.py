@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from agentroll.bench_stream import synthetic_trajectory
-from agentroll.buffer import BufferConfig
+from agentroll.bench.stream import synthetic_trajectory
+from agentroll.rollout.buffer import BufferConfig
 from agentroll.stream import (
     StreamClient,
     StreamConfig,
@@ -107,7 +107,7 @@ async def test_the_version_of_the_last_push_is_accepted(tmp_path: Path) -> None:
 async def test_in_process_leases_are_checked_before_admission_hears_the_version(
     tmp_path: Path,
 ) -> None:
-    from agentroll.service import _NotingStream
+    from agentroll.run.service import _NotingStream
 
     noted: list[int] = []
     service = SimpleNamespace(note_trainer_version=noted.append)

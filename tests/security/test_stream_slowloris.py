@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agentroll.bench_stream import synthetic_trajectory
-from agentroll.buffer import BufferConfig
+from agentroll.bench.stream import synthetic_trajectory
 from agentroll.errors import ConfigError
+from agentroll.rollout.buffer import BufferConfig
 from agentroll.stream import StreamClient, StreamConfig, TrajectoryStream, serve_stream
 from agentroll.stream.http import HTTPConfig, nofile_plan
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from agentroll.errors import ConfigError
-from agentroll.recipe import parse_recipe
+from agentroll.run.recipe import parse_recipe
 from agentroll.stream import StreamClient, TrajectoryStream, serve_stream, stream_app
 from agentroll.stream.auth import TOKEN_FILE, ensure_token, load_token
 
@@ -97,7 +97,7 @@ async def test_every_route_requires_the_token_on_loopback(
 def test_the_recipe_and_the_service_refuse_an_empty_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentroll.service import RolloutService
+    from agentroll.run.service import RolloutService
 
     with pytest.raises(ConfigError, match=r"stream\.token_env"):
         parse_recipe('[stream]\ntoken_env = ""\n')
@@ -111,7 +111,7 @@ def test_the_recipe_and_the_service_refuse_an_empty_token(
 async def test_a_worker_started_without_a_token_generates_and_requires_one(
     tiny_model: Path, tmp_path: Path, small_fleet_toml: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentroll.service import RolloutService
+    from agentroll.run.service import RolloutService
 
     monkeypatch.delenv("AGENTROLL_STREAM_TOKEN", raising=False)
     recipe = parse_recipe(

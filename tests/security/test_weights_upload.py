@@ -301,8 +301,8 @@ max_num_seqs = 4
 async def test_the_worker_judges_uploads_by_its_fleet_and_model(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from agentroll.recipe import parse_recipe
-    from agentroll.service import RolloutService, build_backend, local_weight_layout
+    from agentroll.run.recipe import parse_recipe
+    from agentroll.run.service import RolloutService, build_backend, local_weight_layout
     from agentroll.testing import SyntheticTrainer
 
     recipe = parse_recipe(RECIPE)

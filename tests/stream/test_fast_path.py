@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentroll.bench_stream import synthetic_trajectory
+from agentroll.bench.stream import synthetic_trajectory
 from agentroll.stream.client import FastTransport, LeaseBatch, decode_lease
 from agentroll.stream.spool import Spool, SpoolConfig
 from agentroll.types import (

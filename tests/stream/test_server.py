@@ -21,9 +21,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from agentroll.bench_stream import synthetic_trajectory
-from agentroll.buffer import BufferConfig
+from agentroll.bench.stream import synthetic_trajectory
 from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.rollout.buffer import BufferConfig
 from agentroll.stream import (
     StreamClient,
     StreamConfig,
@@ -561,7 +561,7 @@ async def test_status_is_consistent_while_commits_are_half_done(tmp_path: Path) 
     """A status read while a commit has changed the spool but not yet answered its caller
     (records appended, fsync in flight; acks applied, ack-log fsync in flight; a stale drop
     not yet in the spool) still balances: ``lost_count`` is 0 at every such moment."""
-    from agentroll.loop import lost_count
+    from agentroll.run.loop import lost_count
 
     async with worker(tmp_path, config(max_staleness=0)) as (stream, _):
         spool = stream.spool
@@ -767,9 +767,9 @@ WORKER = textwrap.dedent(
     """
     import asyncio, sys
     from pathlib import Path
-    from agentroll.bench_stream import synthetic_trajectory
+    from agentroll.bench.stream import synthetic_trajectory
     from agentroll.stream.auth import ensure_token
-    from agentroll.buffer import BufferConfig
+    from agentroll.rollout.buffer import BufferConfig
     from agentroll.stream import StreamConfig, TrajectoryStream, serve_stream
 
     async def main(path, port, first, count, ttl):

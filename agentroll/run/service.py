@@ -1,0 +1,706 @@
+"""The recipe-driven rollout worker: episodes on a fleet, groups to a served trajectory stream.
+
+Role: ``RolloutService`` builds the recipe's environment and replicas, runs episodes forever
+(tasks cycled in seeded epochs) under admission control, publishes every finished group to a
+``TrajectoryStream`` (spool first, then the buffer) served over HTTP, and applies the weights
+a trainer pushes with the recipe's sync strategy and resume policy, while episodes go on.
+Invariants: a group is published only whole; nothing finished is dropped at a stop (in-flight
+episodes are checkpointed; finished members of unfinished groups, and finished episodes the
+engine still held because the producer was busy publishing, are saved beside them, and so
+are the samples of started groups that have no episode yet; the next start continues all
+three, so every group it began is published whole, and keeps the saved files until those
+groups are durable in the spool, skipping at a later start what a killed run published of
+them); an episode whose checkpoint is refused as corrupt restarts from its task under its
+id (counted in ``checkpoints_corrupt``) while the others continue; every sync, counter and
+busy/idle interval is written to ``<run_dir>/<component>.jsonl`` (``agentroll.run.metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
+from agentroll.env import Environment, load_environment
+from agentroll.errors import ConfigError
+from agentroll.rollout.admission import AdmissionController
+from agentroll.rollout.buffer import BufferConfig
+from agentroll.rollout.checkpoint import (
+    JOB_FILE,
+    EpisodeCheckpoint,
+    EpisodeJob,
+    load_finished,
+    load_jobs,
+    save_finished,
+    save_jobs,
+    scan_checkpoints,
+)
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.run.metrics import MetricsWriter
+from agentroll.run.recipe import Recipe
+from agentroll.sandbox.base import SandboxConfig
+from agentroll.stream.auth import TOKEN_FILE, check_token, ensure_token
+from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
+from agentroll.stream.spool import SpoolConfig
+from agentroll.types import Task, Trajectory
+from agentroll.weights.apply import WeightLayout, check_base
+from agentroll.weights.transport import UpdateHeader
+from agentroll.weights.update import WeightUpdate
+
+logger = logging.getLogger("agentroll.run.service")
+FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
+UNSTARTED = "unstarted.msgpack"  # samples of started groups with no episode, saved at a stop
+
+
+def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
+    """The recipe's environment (its ``kwargs`` updated by ``overrides``), with the recipe's
+    sandbox settings applied."""
+    kwargs = {**recipe.environment.kwargs, **overrides}
+    env = load_environment(recipe.environment.name, **kwargs)
+    sb = recipe.sandbox
+    try:  # the recipe's values with the environment's own: SandboxConfig checks them together
+        if env.sandbox_config is not None:
+            changes: dict[str, Any] = {"backend": sb.backend}
+            if sb.timeout is not None:
+                changes["timeout"] = sb.timeout
+            if sb.image is not None:
+                changes["image"] = sb.image
+            if sb.memory_mb is not None:
+                changes["memory_mb"] = sb.memory_mb
+            if sb.options:
+                changes["options"] = dict(sb.options)
+            config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
+        elif sb.backend != "local" or sb.image is not None:
+            config = SandboxConfig(
+                backend=sb.backend,
+                image=sb.image,
+                memory_mb=sb.memory_mb or SandboxConfig().memory_mb,
+                options=dict(sb.options),
+            )
+        else:
+            return env
+    except ValueError as exc:
+        raise ConfigError(
+            f"[sandbox] with environment {recipe.environment.name!r}'s own limits: {exc}"
+        ) from exc
+    # a per-instance override of the class-level default
+    object.__setattr__(env, "sandbox_config", config)
+    return env
+
+
+def local_weight_layout(backend: Backend) -> WeightLayout | None:
+    """The layout of the weights of a built-in engine in this process behind ``backend``
+    (a fleet's replicas share one), or None when none is (vLLM, remote replicas)."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
+
+    engines = [backend]
+    if isinstance(backend, FleetBackend):
+        engines = [r.backend for r in backend.replicas.values() if isinstance(r, LocalReplica)]
+    for engine in engines:
+        if isinstance(engine, TorchBackend) and engine.engine is not None:
+            return engine.engine.weight_store().layout()
+    return None
+
+
+def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
+    """A ``FleetBackend`` of ``backend.replicas`` engines of ``backend.kind`` on
+    ``model_dir`` (built-in engines, vLLM in-process, or vLLM servers at ``backend.urls``)."""
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
+
+    b = recipe.backend
+    engines: list[Backend]
+    if b.kind == "torch":
+        from agentroll.backends.torch import TorchBackend
+
+        engines = [
+            TorchBackend(
+                str(model_dir),
+                dtype=b.dtype,
+                kv_cache_mb=b.kv_cache_mb,
+                max_num_seqs=b.max_num_seqs,
+                max_num_batched_tokens=b.prefill_budget,
+            )
+            for _ in range(b.replicas)
+        ]
+    elif b.kind == "vllm":
+        from agentroll.backends.vllm import VLLMBackend
+
+        engines = [
+            VLLMBackend(
+                model_dir,
+                dtype=b.dtype,
+                max_num_seqs=b.max_num_seqs,
+                kv_cache_gib=max(1.0, b.kv_cache_mb / 1024),
+                seed=recipe.run.seed + i,
+                transfer=b.weight_transfer,
+                transfer_device=b.transfer_devices[i] if b.transfer_devices else "cuda:1",
+                verify_served=b.verify_served,
+                probe_tokens=b.probe_tokens,
+            )
+            for i in range(b.replicas)
+        ]
+    elif b.kind == "http":
+        from agentroll.backends.vllm_server import HTTPBackend
+
+        engines = [
+            HTTPBackend(
+                url,
+                model_dir=model_dir,
+                dtype=b.dtype,
+                verify_served=b.verify_served,
+                probe_tokens=b.probe_tokens,
+            )
+            for url in b.urls
+        ]
+    else:
+        raise ConfigError(
+            f"backend.kind {b.kind!r} cannot serve a recipe worker; use torch, vllm or http"
+        )
+    replicas = [LocalReplica(e, name=f"replica-{i}") for i, e in enumerate(engines)]
+    return FleetBackend(replicas, strategy=recipe.sync.strategy, capacity=b.max_num_seqs)
+
+
+def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
+    s, r = recipe.sampling, recipe.rollout
+    return RolloutConfig(
+        concurrency=r.concurrency,
+        samples_per_task=r.samples_per_task,
+        sampling=SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens
+        ),
+        seed=recipe.run.seed if seed is None else seed,
+        tool_timeout=r.tool_timeout,
+        episode_timeout=r.episode_timeout,
+        progress="off",
+    )
+
+
+def cycle_tasks(tasks: list[Task], seed: int) -> Iterator[Task]:
+    """The tasks again and again, each epoch in its own seeded order."""
+    if not tasks:
+        raise ConfigError("the environment has no tasks")
+    epoch = 0
+    while True:
+        order = list(tasks)
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        yield from order
+        epoch += 1
+
+
+class _NotingStream(TrajectoryStream):
+    """A stream that tells the service each trainer version it hears of, when it hears it."""
+
+    def __init__(self, *args: Any, service: RolloutService, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.service = service
+
+    async def lease(
+        self, max_trajectories: int, *, wait: float = 0.0, trainer_version: int | None = None
+    ) -> Any:
+        # a version the worker's weights never had is refused before admission hears of it
+        self.check_trainer_version(trainer_version)
+        if trainer_version is not None:
+            self.service.note_trainer_version(trainer_version)
+        return await super().lease(max_trajectories, wait=wait, trainer_version=trainer_version)
+
+    async def apply_weights(self, update: WeightUpdate) -> None:
+        await super().apply_weights(update)
+        self.service.note_trainer_version(update.version)
+
+
+class RolloutService:
+    """``await RolloutService(recipe, model_dir=..., run_dir=...).serve(stop)`` runs until
+    ``stop`` is set; ``ready(url)`` is called once the stream is served.
+
+    ``checkpoint_dir``: where a stop checkpoints in-flight episodes (default
+    ``<run_dir>/checkpoints``) and where a start looks for them.  ``token``: the stream's
+    bearer token (default: the recipe's ``stream.token_env`` variable, else the one in
+    ``<run_dir>/stream.token``, else a new one); it is written to ``<run_dir>/stream.token``
+    (mode 0600) at start, where trainers find it (``agentroll.stream.auth.load_token``).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        model_dir: str | Path,
+        run_dir: str | Path,
+        checkpoint_dir: str | Path | None = None,
+        port: int | None = None,
+        component: str = "worker",
+        token: str | None = None,
+    ) -> None:
+        self.recipe = recipe
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = (
+            Path(checkpoint_dir) if checkpoint_dir else self.run_dir / "checkpoints"
+        )
+        self.port = recipe.stream.port if port is None else port
+        self.token = token if token is not None else os.environ.get(recipe.stream.token_env)
+        if self.token is not None:  # an empty one is refused now, not at start
+            check_token(self.token, f"the stream token (${recipe.stream.token_env} or token=)")
+        self.metrics = MetricsWriter(self.run_dir, component)
+        self.spool_dir = Path(recipe.stream.spool_dir or self.run_dir / "spool")
+        spt = recipe.rollout.samples_per_task
+        self.admission = AdmissionController(
+            max_staleness=recipe.buffer.max_staleness,
+            batch_size=recipe.trainer.batch_size,
+            group_size=spt,
+        )
+        self.stream_config = StreamConfig(
+            buffer=BufferConfig(
+                capacity=recipe.buffer.capacity,
+                max_staleness=recipe.buffer.max_staleness,
+                on_stale=recipe.buffer.on_stale,
+                group_size=spt,
+                lease_ttl=recipe.buffer.lease_ttl,
+            ),
+            # stale drops are kept on disk for inspection up to these limits
+            spool=SpoolConfig(
+                dropped_max_records=recipe.stream.dropped_max_records,
+                dropped_max_bytes=recipe.stream.dropped_max_bytes,
+            ),
+        )
+        self.backend: Any = None
+        self.stream: TrajectoryStream | None = None
+        self._groups: dict[str, list[Trajectory]] = {}
+        self._admitted = 0
+        self._known_version = 0
+        self._consumed_at_known = 0
+        self._restored = 0
+        self._continued: set[str] = set()  # episodes continued from a checkpoint directory
+        # groups with members in FINISHED / UNSTARTED: the files stay until all are published
+        self._stop_groups: set[str] = set()
+        self.engine: RolloutEngine | None = None
+        self.counters = {
+            "syncs": 0,
+            "syncs_mid_generation": 0,
+            "admission_wait_seconds": 0.0,
+            "checkpoints_corrupt": 0,  # refused at the start; their episodes restart
+        }
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _consumed(self) -> int:
+        assert self.stream is not None
+        return int(self.stream.counters["acked"] + self.stream.counters["dropped_stale"])
+
+    def note_trainer_version(self, version: int) -> None:
+        """The trainer said it is at ``version`` (a lease or a weight push)."""
+        if version > self._known_version:
+            self._known_version = version
+            self._consumed_at_known = self._consumed()
+
+    def _trainer_version(self) -> int:
+        """The trainer's version as admission must assume it: the last one it told, plus one
+        per batch it consumed since (it may have stepped before it says so, e.g. between its
+        ack and its next weight push)."""
+        batches = (self._consumed() - self._consumed_at_known) // self.recipe.trainer.batch_size
+        return self._known_version + max(0, batches)
+
+    def _rollout_version(self) -> int:
+        """The oldest weights a new episode may sample its first token with (during a rolling
+        update some replicas are still at the previous version)."""
+        fleet = self.backend
+        versions = fleet.router.versions(("active", "draining", "updating"))
+        return min(versions) if versions else int(fleet.policy_version)
+
+    def outstanding(self) -> int:
+        """Trajectories started (or restored) and not yet consumed by the trainer."""
+        assert self.stream is not None
+        c = self.stream.counters
+        return self._admitted + self._restored - c["acked"] - c["dropped_stale"]
+
+    async def _admit(self, n: int) -> None:
+        waited = await self.admission.wait(
+            policy_version=self._rollout_version,
+            trainer_version=self._trainer_version,
+            outstanding=self.outstanding,
+        )
+        self._admitted += n
+        self.counters["admission_wait_seconds"] += waited
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def _weights_check(self) -> Callable[[UpdateHeader], None]:
+        """The check of a weight upload's header, before its payloads are read: its base is
+        the fleet's version and, where the engines run here, its tensors are the model's
+        (which bounds its size by the model's).  Call it once the backend has started."""
+        fleet, layout = self.backend, local_weight_layout(self.backend)
+
+        def check(header: UpdateHeader) -> None:
+            check_base(header, fleet.policy_version, holder="this worker")
+            if layout is not None:
+                layout.check(header)
+
+        return check
+
+    async def _on_weights(self, update: WeightUpdate) -> None:
+        fleet = self.backend
+        inflight = await fleet.inflight_calls()
+        before = msgspec.structs.replace(fleet.stats)
+        policy: ResumePolicy = self.recipe.sync.policy
+        t0 = time.time()
+        report = await fleet.update(
+            update, policies=None if policy == "keep" else lambda: dict.fromkeys(inflight, policy)
+        )
+        t1 = time.time()
+        after = fleet.stats
+        self.counters["syncs"] += 1
+        self.counters["syncs_mid_generation"] += bool(inflight)
+        self.metrics.span_at("sync", t0, t1, version=update.version)
+        # The fleet reports how long each replica was paused, not when: the pauses are drawn
+        # at the end of the sync window they belong to.
+        for ms in report.pause_ms:
+            self.metrics.span_at("pause", max(t0, t1 - ms / 1000), t1, version=update.version)
+        self.metrics.event(
+            "sync",
+            version=update.version,
+            strategy=report.strategy,
+            seconds=report.seconds,
+            pause_ms=list(report.pause_ms),
+            mid_generation=len(inflight),
+            episodes_restarted=after.episodes_restarted - before.episodes_restarted,
+            tokens_discarded=after.tokens_discarded - before.tokens_discarded,
+            migrated=report.migrated,
+            bytes=update.payload_bytes,
+            failed=dict(report.failed),
+        )
+        self.admission.observe_trainer_version(update.version)
+        self._write_counters()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _write_counters(self) -> None:
+        fleet_stats = self.backend.stats if self.backend is not None else None
+        for name, value in self.episode_counters().items():
+            self.metrics.counter(name, value)
+        if fleet_stats is not None:
+            self.metrics.counter("episodes_restarted", fleet_stats.episodes_restarted)
+            self.metrics.counter("tokens_discarded", fleet_stats.tokens_discarded)
+        if self.stream is not None:
+            c = self.stream.counters
+            for name in ("published", "acked", "dropped_stale", "delivered"):
+                self.metrics.counter(name, c[name])
+            stats = self.stream.buffer.statistics()
+            self.metrics.counter("kept_stale", stats.kept_stale)
+
+    def episode_counters(self) -> dict[str, float]:
+        """The service's counters and its rollout engine's episode counts."""
+        stats = self.engine.stats if self.engine is not None else {}
+        return {
+            "episodes": stats.get("episodes", 0),
+            "episodes_failed": stats.get("failed", 0),
+            **self.counters,
+        }
+
+    async def _sample_busy(self, interval: float = 0.5) -> None:
+        """Every ``interval``: each replica's generating share of the window, as a busy span
+        followed by an idle span (the split within one window is not known)."""
+        fleet = self.backend
+        names = list(fleet.replicas)
+        last = await fleet.replica_seconds(names)
+        t_last = time.time()
+        while True:
+            await asyncio.sleep(interval)
+            now_busy = await fleet.replica_seconds(names)
+            now = time.time()
+            for name in names:
+                busy = min(now - t_last, max(0.0, now_busy.get(name, 0.0) - last.get(name, 0.0)))
+                self.metrics.span_at("rollout.busy", t_last, t_last + busy, component=name)
+                self.metrics.span_at("rollout.idle", t_last + busy, now, component=name)
+            last, t_last = now_busy, now
+
+    async def _publish(self, traj: Trajectory) -> None:
+        assert self.stream is not None
+        if traj.finished_at > traj.started_at:
+            self.admission.observe_episode(traj.finished_at - traj.started_at)
+        group = self._groups.setdefault(traj.group_id, [])
+        group.append(traj)
+        if len(group) < self.recipe.rollout.samples_per_task:
+            return
+        del self._groups[traj.group_id]
+        group.sort(key=lambda t: t.sample_index)
+        await self.stream.publish(group)
+        done = [t.id for t in group if t.id in self._continued]
+        if done:  # a continued episode's checkpoint is done with once it is durable
+            self._continued.difference_update(done)
+            # shielded: a stop that cancels this publisher leaves no published episode's
+            # checkpoint behind (the next start would continue it a second time)
+            await asyncio.shield(asyncio.to_thread(self._remove_checkpoints, done))
+        if traj.group_id in self._stop_groups:
+            self._stop_groups.discard(traj.group_id)
+            if not self._stop_groups:  # every group the last stop saved is durable
+                await asyncio.shield(asyncio.to_thread(self._remove_stop_files))
+
+    def _remove_checkpoints(self, episode_ids: list[str]) -> None:
+        for episode_id in episode_ids:
+            shutil.rmtree(self.checkpoint_dir / episode_id, ignore_errors=True)
+
+    def _remove_stop_files(self) -> None:
+        for name in (FINISHED, UNSTARTED):
+            (self.checkpoint_dir / name).unlink(missing_ok=True)
+
+    def _load_stopped(
+        self,
+    ) -> tuple[list[EpisodeCheckpoint], list[Trajectory], list[EpisodeJob]]:
+        """Checkpoints, finished episodes (members of unfinished groups, and episodes the
+        engine had not handed over yet) and unstarted samples of started groups, left by the
+        last stop: ``run(finished=...)`` delivers the finished ones again (or scores them
+        with the rest of their group), ``run(unstarted=...)`` starts the unstarted ones.
+        The files stay until every group they hold is published (a kill before then finds
+        them again); ``_skip_published`` then drops what a killed run had published.  An
+        episode checkpoint refused as corrupt becomes an unstarted sample that restarts the
+        episode under its id (its directory goes once its group is published)."""
+        finished = self.checkpoint_dir / FINISHED
+        unstarted = self.checkpoint_dir / UNSTARTED
+        try:
+            checkpoints, corrupt = scan_checkpoints(self.checkpoint_dir)
+            stopped = load_finished(finished) if finished.is_file() else []
+            jobs = load_jobs(unstarted) if unstarted.is_file() else []
+        except ValueError as exc:  # damaged: refuse to start rather than drop episodes
+            raise ConfigError(
+                f"cannot continue the stopped run: {exc}; move what is damaged out of "
+                f"{self.checkpoint_dir} and start again (what it held is then lost)"
+            ) from exc
+        queued = {(j.group_id, j.sample_index) for j in jobs}
+        for bad in corrupt:
+            if bad.job is None and self.recipe.rollout.samples_per_task == 1:
+                # its task is unknown, but it is a group of its own: no group waits for it
+                logger.warning("%s; its task is unknown too: the episode is dropped", bad.error)
+                shutil.rmtree(bad.path, ignore_errors=True)
+                continue
+            if bad.job is None:  # the sample is unknown: its group could never complete
+                raise ConfigError(
+                    f"cannot continue the stopped run: {bad.error}, and its task is unknown "
+                    f"({JOB_FILE} is damaged too); move {bad.path} out of {self.checkpoint_dir} "
+                    "and start again (the rest of its group then waits for it forever)"
+                ) from bad.error
+            logger.warning("%s; restarting episode %s from its task", bad.error, bad.path.name)
+            # a restart a stop saved as unstarted before it ran is in UNSTARTED already
+            if (bad.job.group_id, bad.job.sample_index) not in queued:
+                jobs.append(bad.job)
+        self.counters["checkpoints_corrupt"] = len(corrupt)
+        self._track_stopped(checkpoints, stopped, jobs)
+        return checkpoints, stopped, jobs
+
+    def _track_stopped(
+        self,
+        checkpoints: list[EpisodeCheckpoint],
+        stopped: list[Trajectory],
+        jobs: list[EpisodeJob],
+    ) -> None:
+        """What the service derives from the stopped run it continues: the count admission
+        treats as outstanding, the checkpoints to remove once published, the groups that
+        keep the stop's files."""
+        self._restored = len(checkpoints) + len(stopped) + len(jobs)
+        # a restarted episode keeps its id: its refused checkpoint goes when it is published
+        self._continued = {cp.episode_id for cp in checkpoints}
+        self._continued |= {j.episode_id for j in jobs if j.episode_id}
+        self._stop_groups = {t.group_id for t in stopped} | {j.group_id for j in jobs}
+
+    def _skip_published(
+        self,
+        checkpoints: list[EpisodeCheckpoint],
+        stopped: list[Trajectory],
+        jobs: list[EpisodeJob],
+    ) -> tuple[list[EpisodeCheckpoint], list[Trajectory], list[EpisodeJob]]:
+        """With the spool restored: the groups a killed run published (a member is pending
+        in the spool) before it removed what the last stop saved of them are neither run
+        nor delivered again; their leftover checkpoints are removed.  (A group the trainer
+        had also acknowledged by then is not in the spool any more and is delivered again:
+        the window is the removal right after its publish.)"""
+        assert self.stream is not None
+        spool = self.stream.spool
+        done = {cp.group_id for cp in checkpoints if cp.episode_id in spool}
+        done |= {t.group_id for t in stopped if t.id in spool}
+        done |= {j.group_id for j in jobs if j.episode_id and j.episode_id in spool}
+        if not done:
+            return checkpoints, stopped, jobs
+        self._remove_checkpoints([cp.episode_id for cp in checkpoints if cp.group_id in done])
+        self._remove_checkpoints(
+            [j.episode_id for j in jobs if j.episode_id and j.group_id in done]
+        )
+        keep_cps = [cp for cp in checkpoints if cp.group_id not in done]
+        keep_stopped = [t for t in stopped if t.group_id not in done]
+        keep_jobs = [j for j in jobs if j.group_id not in done]
+        self._track_stopped(keep_cps, keep_stopped, keep_jobs)
+        if not self._stop_groups:
+            self._remove_stop_files()
+        logger.info("skipping %d groups the last run published before it was killed", len(done))
+        return keep_cps, keep_stopped, keep_jobs
+
+    async def _checkpoint(self, engine: RolloutEngine, producer: asyncio.Task[None]) -> int:
+        """At a stop: episodes in flight to checkpoints; finished episodes not published
+        (members of unfinished groups, and ones the engine still held because the producer
+        was busy publishing) to ``FINISHED``; samples of started groups with neither
+        (no worker was free for them yet) to ``UNSTARTED``."""
+        await engine.pause()
+        paths = await engine.checkpoint(self.checkpoint_dir)
+        # leaving the loop over engine.run: what it had not yielded is taken back below (a
+        # group being published when cancelled is in the spool already)
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        pending = [t for g in self._groups.values() for t in g] + engine.take_undelivered()
+        jobs = engine.take_unstarted()
+        # what the last stop saved and is not published yet is among these again (the
+        # engine held it): the files are replaced
+        await asyncio.to_thread(self._save_stopped, pending, jobs)
+        return len(paths)
+
+    def _save_stopped(self, pending: list[Trajectory], jobs: list[EpisodeJob]) -> None:
+        """Write (or remove) UNSTARTED and FINISHED, each replaced atomically."""
+        path = self.checkpoint_dir / UNSTARTED
+        if jobs:
+            save_jobs(path, jobs)
+        else:
+            path.unlink(missing_ok=True)
+        path = self.checkpoint_dir / FINISHED
+        if pending:
+            save_finished(path, pending)
+        else:
+            path.unlink(missing_ok=True)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def serve(
+        self, stop: asyncio.Event, *, ready: Any = None, tasks: list[Task] | None = None
+    ) -> dict[str, Any]:
+        """Run until ``stop`` is set; then checkpoint what is in flight and return a summary."""
+        recipe = self.recipe
+        env = build_environment(recipe)
+        if tasks is None:
+            tasks = list(env.tasks())
+            if recipe.environment.num_tasks is not None:
+                tasks = tasks[: recipe.environment.num_tasks]
+        self.backend = build_backend(recipe, self.model_dir)
+        checkpoints, stopped, unstarted = await asyncio.to_thread(self._load_stopped)
+        self.metrics.event("run", event="start", component=self.metrics.component)
+        await self.backend.start()
+        checkpointed = 0
+        try:
+            token = self.token = await asyncio.to_thread(ensure_token, self.run_dir, self.token)
+            self.stream = _NotingStream(
+                self.spool_dir,
+                self.stream_config,
+                on_weights=self._on_weights,
+                check_weights=self._weights_check(),
+                # a lease may report up to the weights the fleet serves (checked per lease)
+                policy_version=max(0, int(self.backend.policy_version)),
+                service=self,
+            )
+            async with (
+                self.stream,
+                serve_stream(
+                    self.stream, host=recipe.stream.host, port=self.port, token=token
+                ) as url,
+                RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
+            ):
+                self.engine = engine
+                checkpoints, stopped, unstarted = self._skip_published(
+                    checkpoints, stopped, unstarted
+                )
+                self._restored += self.stream.counters["restored"]
+                if ready is not None:
+                    ready(url)
+                sampler = asyncio.create_task(self._sample_busy())
+
+                async def produce() -> None:
+                    async for traj in engine.run(
+                        cycle_tasks(tasks, recipe.run.seed),
+                        checkpoints=checkpoints,
+                        finished=stopped,
+                        unstarted=unstarted,
+                        admit=self._admit,
+                    ):
+                        await self._publish(traj)
+
+                producer = asyncio.create_task(produce())
+                stopper = asyncio.create_task(stop.wait())
+                try:
+                    await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    if producer.done():
+                        producer.result()  # an engine error surfaces here
+                    checkpointed = await self._checkpoint(engine, producer)
+                finally:
+                    for task in (producer, stopper, sampler):
+                        task.cancel()
+                    await asyncio.gather(producer, stopper, sampler, return_exceptions=True)
+                    self._write_counters()
+        finally:
+            await self.backend.close()
+            self.metrics.event("run", event="end", component=self.metrics.component)
+            self.metrics.close()
+        published = self.stream.counters["published"] if self.stream is not None else 0
+        return {"published": published, "checkpointed": checkpointed, **self.episode_counters()}
+
+
+def write_ready_file(path: Path, url: str, token_file: Path | None = None) -> None:
+    """Tell a parent process where the stream is served and where its token is (written
+    atomically)."""
+    tmp = path.with_suffix(".tmp")
+    info: dict[str, Any] = {"url": url, "pid": os.getpid()}
+    if token_file is not None:
+        info["token_file"] = str(token_file)
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+def main_service(
+    recipe_path: str | Path,
+    *,
+    model: str | None = None,
+    run_dir: str | Path | None = None,
+    checkpoint_dir: str | Path | None = None,
+    port: int | None = None,
+    ready_file: str | Path | None = None,
+) -> dict[str, Any]:
+    """``agentroll worker --recipe R.toml``: serve until SIGTERM / SIGINT, then checkpoint
+    the episodes in flight and exit.  ``model`` defaults to the recipe's (or the tiny one)."""
+    import signal
+
+    from agentroll.run.recipe import StreamSection, load_recipe
+    from agentroll.run.worker import stop_on_signals
+
+    try:
+        StreamSection.bounds["port"].check("--port", port if port is not None else 0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    recipe = load_recipe(recipe_path)
+    out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
+    if model is None:
+        from agentroll.model.tiny import ensure_tiny_model
+
+        model = recipe.model.path or str(ensure_tiny_model(None))
+
+    async def main() -> dict[str, Any]:
+        stop = asyncio.Event()
+
+        def ready(url: str) -> None:
+            token_file = out / TOKEN_FILE
+            logger.info("serving trajectories at %s (bearer token in %s)", url, token_file)
+            if ready_file is not None:
+                write_ready_file(Path(ready_file), url, token_file)
+
+        service = RolloutService(
+            recipe, model_dir=model, run_dir=out, checkpoint_dir=checkpoint_dir, port=port
+        )
+        # a stop the event loop cannot take up (it is blocked) ends the process at once
+        with stop_on_signals(stop, (signal.SIGTERM, signal.SIGINT)):
+            return await service.serve(stop, ready=ready)
+
+    return asyncio.run(main())
