@@ -1,9 +1,11 @@
 """agentroll: a rollout engine for RL post-training of tool-using LLM agents.
 
-The public API is what ``__all__`` lists (pinned by ``tests/test_public_api.py``); heavy
-optional dependencies (torch kernels, vllm, docker, ray) are imported lazily by the modules
-that need them.
+The public API is what ``__all__`` lists (pinned by ``tests/test_public_api.py``): what a
+user constructs.  Backends, weights, the stream client and the trainer protocol load on
+first use (``_LAZY``), so ``import agentroll`` imports neither torch, vllm, docker nor ray.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from agentroll.backends import (
     Backend,
@@ -13,7 +15,7 @@ from agentroll.backends import (
     MockResponse,
     SamplingParams,
 )
-from agentroll.chat import ChatTokenizer, HermesToolParser, ParsedOutput
+from agentroll.chat import ChatTokenizer
 from agentroll.env import Environment, EpisodeState, Rubric, load_environment
 from agentroll.errors import (
     AgentrollError,
@@ -36,13 +38,14 @@ from agentroll.rollout.buffer import BufferConfig, TrajectoryBuffer
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, load_checkpoints
 from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.rollout.pause import EpisodeView, fixed_policy, staleness_policy
-from agentroll.run.metrics import MetricsWriter
 from agentroll.run.recipe import Recipe, load_recipe
 from agentroll.sandbox import Sandbox, SandboxConfig, open_sandbox
 from agentroll.tool import Tool, tool
 from agentroll.types import (
     ExecResult,
     Message,
+    ResumePolicy,
+    Strategy,
     Task,
     ToolCall,
     ToolResult,
@@ -55,7 +58,43 @@ from agentroll.types import (
     encode_msgpack,
 )
 
+if TYPE_CHECKING:
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.backends.vllm import VLLMBackend
+    from agentroll.backends.vllm_server import VLLMServerBackend
+    from agentroll.fleet import FleetBackend, LocalReplica
+    from agentroll.stream import StreamClient
+    from agentroll.trainer import GRPOTrainer, Trainer, TrainStats
+    from agentroll.weights import WeightExporter, WeightUpdate
+
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it, imported on first access
+_LAZY = {
+    "FleetBackend": "agentroll.fleet",
+    "GRPOTrainer": "agentroll.trainer",
+    "LocalReplica": "agentroll.fleet",
+    "StreamClient": "agentroll.stream",
+    "TorchBackend": "agentroll.backends.torch",
+    "TrainStats": "agentroll.trainer",
+    "Trainer": "agentroll.trainer",
+    "VLLMBackend": "agentroll.backends.vllm",
+    "VLLMServerBackend": "agentroll.backends.vllm_server",
+    "WeightExporter": "agentroll.weights",
+    "WeightUpdate": "agentroll.weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentroll' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
 
 __all__ = [
     "AdmissionController",
@@ -74,17 +113,18 @@ __all__ = [
     "EpisodeTimeout",
     "EpisodeView",
     "ExecResult",
+    "FleetBackend",
+    "GRPOTrainer",
     "GenerationChunk",
     "GenerationRequest",
     "GenerationTimeout",
-    "HermesToolParser",
+    "LocalReplica",
     "Message",
-    "MetricsWriter",
     "MissingDependencyError",
     "MockBackend",
     "MockResponse",
-    "ParsedOutput",
     "Recipe",
+    "ResumePolicy",
     "RolloutConfig",
     "RolloutEngine",
     "Rubric",
@@ -92,6 +132,8 @@ __all__ = [
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
+    "Strategy",
+    "StreamClient",
     "StreamError",
     "Task",
     "Tool",
@@ -100,10 +142,17 @@ __all__ = [
     "ToolError",
     "ToolResult",
     "ToolSpec",
+    "TorchBackend",
+    "TrainStats",
+    "Trainer",
     "Trajectory",
     "TrajectoryBuffer",
     "Turn",
+    "VLLMBackend",
+    "VLLMServerBackend",
+    "WeightExporter",
     "WeightSyncError",
+    "WeightUpdate",
     "decode_json",
     "decode_msgpack",
     "encode_json",

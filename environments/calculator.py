@@ -13,12 +13,17 @@ import random
 import re
 from pathlib import Path
 
-from agentroll.env import Environment, Rubric
-from agentroll.errors import ConfigError, ToolError
-from agentroll.sandbox.base import Sandbox, SandboxConfig
-from agentroll.tool import tool
+from agentroll import (
+    ConfigError,
+    Environment,
+    Rubric,
+    Sandbox,
+    SandboxConfig,
+    Task,
+    ToolError,
+    tool,
+)
 from agentroll.tools.calculator import evaluate
-from agentroll.types import Task
 
 _ANSWER = re.compile(r"Answer:\s*(-?\d+(?:\.\d+)?)")
 _QUESTION = re.compile(r"What is (.+?)\?")

@@ -13,11 +13,9 @@ import json
 import re
 import secrets
 
-from agentroll.env import Environment, EpisodeState
-from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll import Environment, EpisodeState, Sandbox, SandboxConfig, Task, Trajectory
 from agentroll.tools.files import read_file, write_file
 from agentroll.tools.python_exec import python_exec
-from agentroll.types import Task, Trajectory
 
 # (name, buggy source, fixed source, tests: (call, the value a correct fix returns))
 _TASKS: list[tuple[str, str, str, list[tuple[str, object]]]] = [

@@ -12,9 +12,7 @@ import random
 import re
 from typing import Any
 
-from agentroll.env import Environment, EpisodeState
-from agentroll.errors import ConfigError
-from agentroll.types import Message, Task, Trajectory
+from agentroll import ConfigError, Environment, EpisodeState, Message, Task, Trajectory
 
 _INT = re.compile(r"-?\d+")
 

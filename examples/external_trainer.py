@@ -26,9 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentroll.stream.client import StreamClient
-from agentroll.types import Trajectory
-from agentroll.weights.exporter import WeightExporter
+from agentroll import StreamClient, Trajectory, WeightExporter
 
 
 def advantages(batch: list[Trajectory]) -> list[float]:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import msgspec
 
 from agentroll.types import FinishReason, ResumePolicy, SamplingParams
+
+if TYPE_CHECKING:
+    from agentroll.chat import ChatTokenizer
+    from agentroll.engine.snapshot import RequestSnapshot
+    from agentroll.weights.update import WeightUpdate
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
@@ -49,6 +54,9 @@ class Backend(abc.ABC):
     """
 
     name: str = "backend"
+    #: the model's tokenizer and chat template, when the backend knows them (the engine
+    #: renders prompts with it unless given one)
+    tokenizer: ChatTokenizer | None = None
 
     @property
     @abc.abstractmethod
@@ -78,7 +86,7 @@ class Backend(abc.ABC):
         (a request not named gets the policy given to ``pause``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot resume")
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         """Apply a ``WeightUpdate``.  Default: unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot apply weight updates")
 
@@ -91,3 +99,65 @@ class Backend(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Capabilities beyond the base class.  A backend that has one subclasses its Protocol
+# (so mypy checks the signatures); callers test for it with ``isinstance``.
+
+
+@runtime_checkable
+class SupportsSnapshot(Protocol):
+    """Takes a paused request out (its tokens and, optionally, its KV) and continues it
+    later, on this backend or another one of the same model."""
+
+    async def snapshot(self, request_id: str, *, with_kv: bool = True) -> RequestSnapshot: ...
+
+    def restore(self, snapshot: RequestSnapshot) -> AsyncIterator[GenerationChunk]: ...
+
+
+@runtime_checkable
+class SupportsSnapshotMany(SupportsSnapshot, Protocol):
+    """Snapshots many requests in one call; with ``hold_kv`` the KV stays where it is until
+    the backend that restores a snapshot (in this process) has read it."""
+
+    async def snapshot_many(
+        self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
+    ) -> dict[str, RequestSnapshot]: ...
+
+
+@runtime_checkable
+class SupportsStaging(Protocol):
+    """Verifies an update beside the live weights while generating, then swaps it in at a
+    token boundary (the ``background`` strategy)."""
+
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None: ...
+
+    async def swap(self) -> int: ...
+
+
+@runtime_checkable
+class ReportsInflight(Protocol):
+    """Tells how many tokens each unfinished request has generated."""
+
+    def inflight(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class SupportsAbort(Protocol):
+    """Drops one request (its stream ends with ``finish_reason='abort'``)."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class ReportsBusy(Protocol):
+    """Accounts its time: engine steps, serving time, step count (fleet busy fraction)."""
+
+    @property
+    def busy_seconds(self) -> float: ...
+
+    @property
+    def generating_seconds(self) -> float: ...
+
+    steps: int

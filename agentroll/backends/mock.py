@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
 from agentroll.chat import ChatTokenizer
 from agentroll.errors import BackendError, ConfigError
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 
 class MockResponse(msgspec.Struct, kw_only=True):
@@ -120,7 +123,7 @@ class MockBackend(Backend):
         self.events.append(("resume", dict(policies) if policies else None))
         self._running.set()
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         self.events.append(("apply", getattr(update, "version", None)))
         version = getattr(update, "version", None)
         if isinstance(version, int):

@@ -18,13 +18,27 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
+from agentroll.backends.base import (
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    ReportsBusy,
+    ReportsInflight,
+    ResumePolicy,
+    SupportsAbort,
+    SupportsSnapshotMany,
+    SupportsStaging,
+)
 from agentroll.chat import ChatTokenizer
 from agentroll.errors import BackendError
+
+if TYPE_CHECKING:
+    from agentroll.engine.snapshot import RequestSnapshot
+    from agentroll.weights.update import WeightUpdate
 
 logger = logging.getLogger("agentroll.backends.torch")
 
@@ -59,8 +73,12 @@ class _Stream:
         return items
 
 
-class TorchBackend(Backend):
+class TorchBackend(
+    Backend, SupportsSnapshotMany, SupportsStaging, SupportsAbort, ReportsInflight, ReportsBusy
+):
     """``TorchBackend(EngineConfig(model=DIR))`` or ``TorchBackend(DIR, dtype=..., ...)``."""
+
+    tokenizer: ChatTokenizer  # always known: the model directory holds it
 
     name = "torch"
 
@@ -263,7 +281,7 @@ class TorchBackend(Backend):
         async for chunk in self._stream(request.request_id, stream):
             yield chunk
 
-    async def restore(self, snapshot: Any) -> AsyncIterator[GenerationChunk]:
+    async def restore(self, snapshot: RequestSnapshot) -> AsyncIterator[GenerationChunk]:
         """Continue a request from a ``RequestSnapshot`` (taken here or in another process);
         yields the tokens sampled after the snapshot."""
         stream = self._open(snapshot.request_id)
@@ -399,18 +417,18 @@ class TorchBackend(Backend):
             )
         )
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         """Apply a ``WeightUpdate`` (full or delta) while paused; ``WeightSyncError`` leaves
         the weights and version unchanged."""
         self._require_paused("apply")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.engine.apply_update, update)
 
-    def staging_bytes(self, update: Any) -> int:
+    def staging_bytes(self, update: WeightUpdate) -> int:
         """Memory a background ``stage`` of ``update`` needs."""
         return int(self.engine.weight_store().staging_bytes(update))
 
-    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None:
         """Verify ``update`` into a second copy of the touched tensors while generation goes
         on (on a separate thread; the live weights are only read).  Refused with
         ``WeightSyncError`` when the copy needs more than ``max_bytes`` (default: the memory
@@ -444,7 +462,7 @@ class TorchBackend(Backend):
             if not was_paused:
                 await self.resume()
 
-    async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
+    async def snapshot(self, request_id: str, *, with_kv: bool = True) -> RequestSnapshot:
         """A ``RequestSnapshot`` of a request, taken while paused."""
         self._require_paused("snapshot")
         loop = asyncio.get_running_loop()
@@ -454,7 +472,7 @@ class TorchBackend(Backend):
 
     async def snapshot_many(
         self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
-    ) -> dict[str, Any]:
+    ) -> dict[str, RequestSnapshot]:
         """Snapshots of the unfinished ones among ``request_ids``, in one engine call.  With
         ``hold_kv`` their KV blocks are held here, not copied while paused: each snapshot's
         ``kv_hold`` is read by the engine (in this process) that restores it, then handed

@@ -47,7 +47,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentroll.backends._vllm_common import Epochs, HostWeights, finish_reason
 from agentroll.backends._vllm_transfer import CheckedBackend
@@ -57,8 +57,12 @@ from agentroll.backends.base import (
     GenerationRequest,
     ResumePolicy,
     SamplingParams,
+    SupportsStaging,
 )
 from agentroll.errors import BackendError, WeightSyncError
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 __all__ = ["VLLMBackend", "vllm_available"]
 
@@ -101,7 +105,7 @@ class _Live:
         self.vid = ""
 
 
-class VLLMBackend(CheckedBackend, Backend):
+class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
     """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory."""
 
     name = "vllm"
@@ -375,7 +379,7 @@ class VLLMBackend(CheckedBackend, Backend):
         """The ``WeightStore`` of the verified host copy of the served weights."""
         return self.weights.store
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         """Apply a full or delta ``WeightUpdate`` while paused.  ``WeightSyncError`` leaves
         the served weights and the version unchanged."""
         self._require_started()
@@ -388,7 +392,7 @@ class VLLMBackend(CheckedBackend, Backend):
             await self.weights.push(update, self._send, "vLLM", verify)
         await self._installed()
 
-    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None:
         """Verify ``update`` on the host copy and write its checkpoint while generation goes
         on (the fleet's ``background`` strategy); ``swap`` then reloads it at a token
         boundary.  ``WeightSyncError`` when the staged tensors need more than ``max_bytes``

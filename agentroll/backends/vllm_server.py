@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -58,7 +58,10 @@ from agentroll.backends.base import (
 )
 from agentroll.errors import BackendError
 
-__all__ = ["HTTPBackend", "serve_vllm"]
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
+
+__all__ = ["VLLMServerBackend", "serve_vllm"]
 
 log = logging.getLogger("agentroll.backends.vllm_server")
 
@@ -86,7 +89,7 @@ class _Live:
         self.stream: _Stream | None = None
 
 
-class HTTPBackend(CheckedBackend, Backend):
+class VLLMServerBackend(CheckedBackend, Backend):
     """A vLLM OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8000``).
 
     ``model_dir`` is the checkpoint the server was started on (needed for weight updates);
@@ -409,7 +412,7 @@ class HTTPBackend(CheckedBackend, Backend):
 
     # -- weights ------------------------------------------------------------------------------
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         """Apply a full or delta ``WeightUpdate`` while paused (needs ``model_dir``)."""
         if self.weights is None:
             raise BackendError("weight updates need model_dir: the checkpoint the server runs")

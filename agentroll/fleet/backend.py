@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -29,6 +29,9 @@ from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
 from agentroll.fleet.router import ReplicaStatus, Router
 from agentroll.types import Strategy
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 logger = logging.getLogger("agentroll.fleet")
 
@@ -152,7 +155,7 @@ class FleetBackend(Backend):
         self.migrate_with_kv = migrate_with_kv
         # every replica in this process and able to: a moved call's KV is held where it was
         # and read by the replica it moves to, not copied out while its replica stands paused
-        self.hold_kv = all(getattr(r, "can_hold_kv", False) for r in replicas)
+        self.hold_kv = all(r.can_hold_kv for r in replicas)
         self.background_max_bytes = background_max_bytes
         self.stage_updates = stage_updates
         self.pin_timeout = pin_timeout
@@ -165,7 +168,7 @@ class FleetBackend(Backend):
         self.reports: list[SyncReport] = []
         self.paused_replicas: set[str] = set()
         self._restarted: set[str] = set()
-        self.tokenizer = getattr(getattr(replicas[0], "backend", None), "tokenizer", None)
+        self.tokenizer = replicas[0].tokenizer
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -376,7 +379,7 @@ class FleetBackend(Backend):
     def _delivered_snapshot(self, call: _Call) -> Any:
         if not any(r.supports_snapshots for r in self.replicas.values()):
             return None
-        from agentroll.engine.engine import RequestSnapshot
+        from agentroll.engine.snapshot import RequestSnapshot
 
         req = call.request
         return RequestSnapshot(
@@ -555,12 +558,12 @@ class FleetBackend(Backend):
 
     # -- weight updates --------------------------------------------------------------------
 
-    async def apply(self, update: Any) -> None:
+    async def apply(self, update: WeightUpdate) -> None:
         await self.update(update)
 
     async def update(
         self,
-        update: Any,
+        update: WeightUpdate,
         *,
         strategy: Strategy | None = None,
         policies: PolicySource | None = None,
@@ -646,7 +649,7 @@ class FleetBackend(Backend):
         return out
 
     async def apply_on(
-        self, name: str, update: Any, report: SyncReport, *, staged: bool = False
+        self, name: str, update: WeightUpdate, report: SyncReport, *, staged: bool = False
     ) -> bool:
         """Apply on one paused replica (``staged``: install the copy ``stage`` verified
         earlier, a memcpy); on failure it keeps its old weights and leaves the rotation

@@ -22,13 +22,16 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentroll.backends.base import GenerationChunk, GenerationRequest, ResumePolicy
 from agentroll.errors import BackendError, ConfigError, require
 from agentroll.fleet.replica import Replica, ReplicaDown
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 # A graceful stop that takes longer than this is cut short by killing the actor.
 _STOP_TIMEOUT_S = 10.0
@@ -194,7 +197,7 @@ class _ReplicaHost:
     async def resume(self, policies: Mapping[str, ResumePolicy] | None) -> None:
         await self._live().resume(policies)
 
-    async def apply(self, update: Any) -> int:
+    async def apply(self, update: WeightUpdate) -> int:
         backend = self._live()
         await backend.apply(update)
         return int(backend.policy_version)
@@ -212,7 +215,7 @@ class _ReplicaHost:
     async def inflight(self) -> dict[str, int]:
         return dict(self._live().inflight())
 
-    async def stage(self, update: Any, max_bytes: int | None) -> None:
+    async def stage(self, update: WeightUpdate, max_bytes: int | None) -> None:
         await self._live().stage(update, max_bytes=max_bytes)
 
     async def swap(self) -> int:
@@ -439,7 +442,7 @@ class RayReplica(Replica):
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
         await self._call("resume", None if policies is None else dict(policies))
 
-    async def apply(self, update: Any) -> int:
+    async def apply(self, update: WeightUpdate) -> int:
         self._version = int(await self._call("apply", update))
         return self._version
 
@@ -461,7 +464,7 @@ class RayReplica(Replica):
     async def inflight(self) -> dict[str, int]:
         return dict(await self._call("inflight"))
 
-    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None:
         await self._call("stage", update, max_bytes)
 
     async def swap(self) -> int:

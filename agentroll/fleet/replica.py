@@ -14,12 +14,26 @@ forward passes; a replica that raised ``ReplicaDown`` is never used again.
 from __future__ import annotations
 
 import abc
-import inspect
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
+from agentroll.backends.base import (
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    ReportsBusy,
+    ReportsInflight,
+    ResumePolicy,
+    SupportsAbort,
+    SupportsSnapshot,
+    SupportsSnapshotMany,
+    SupportsStaging,
+)
 from agentroll.errors import BackendError
+
+if TYPE_CHECKING:
+    from agentroll.chat import ChatTokenizer
+    from agentroll.weights.update import WeightUpdate
 
 
 class ReplicaDown(BackendError):
@@ -40,6 +54,16 @@ class Replica(abc.ABC):
     def supports_snapshots(self) -> bool:
         """Whether ``snapshot``/``restore`` work (requests can migrate with their KV)."""
         return False
+
+    @property
+    def can_hold_kv(self) -> bool:
+        """Whether this replica's snapshots can hold their KV for an in-process move."""
+        return False
+
+    @property
+    def tokenizer(self) -> ChatTokenizer | None:
+        """The model's tokenizer, when this process holds it."""
+        return None
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the model."""
@@ -64,7 +88,7 @@ class Replica(abc.ABC):
         """Continue; each request under its policy in ``policies`` (default ``keep``)."""
 
     @abc.abstractmethod
-    async def apply(self, update: Any) -> int:
+    async def apply(self, update: WeightUpdate) -> int:
         """Apply a ``WeightUpdate`` while paused; returns the new version."""
 
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
@@ -92,7 +116,7 @@ class Replica(abc.ABC):
         """Generated-token count of every unfinished request."""
         return {}
 
-    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None:
         """Load ``update`` into a second copy while generating (background strategy)."""
         raise BackendError(f"replica {self.name} cannot stage updates in the background")
 
@@ -129,7 +153,11 @@ class LocalReplica(Replica):
 
     @property
     def supports_snapshots(self) -> bool:
-        return hasattr(self.backend, "snapshot") and hasattr(self.backend, "restore")
+        return isinstance(self.backend, SupportsSnapshot)
+
+    @property
+    def tokenizer(self) -> ChatTokenizer | None:
+        return self.backend.tokenizer
 
     async def start(self) -> None:
         await self.backend.start()
@@ -156,7 +184,7 @@ class LocalReplica(Replica):
                 self._check()
                 yield chunk
         finally:
-            aclose = getattr(stream, "aclose", None)
+            aclose = getattr(stream, "aclose", None)  # an async generator's, when it is one
             if aclose is not None:
                 await aclose()
 
@@ -164,10 +192,9 @@ class LocalReplica(Replica):
         return self._guard(self.backend.generate(request))
 
     def restore(self, snapshot: Any) -> AsyncIterator[GenerationChunk]:
-        restore = getattr(self.backend, "restore", None)
-        if restore is None:
+        if not isinstance(self.backend, SupportsSnapshot):
             raise BackendError(f"backend {self.backend.name} cannot restore snapshots")
-        return self._guard(restore(snapshot))
+        return self._guard(self.backend.restore(snapshot))
 
     async def pause(self) -> None:
         self._check()
@@ -177,7 +204,7 @@ class LocalReplica(Replica):
         self._check()
         await self.backend.resume(policies)
 
-    async def apply(self, update: Any) -> int:
+    async def apply(self, update: WeightUpdate) -> int:
         self._check()
         await self.backend.apply(update)
         self._version = self.backend.policy_version
@@ -185,60 +212,59 @@ class LocalReplica(Replica):
 
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> Any:
         self._check()
-        return await self.backend.snapshot(request_id, with_kv=with_kv)  # type: ignore[attr-defined]
+        if not isinstance(self.backend, SupportsSnapshot):
+            raise BackendError(f"backend {self.backend.name} cannot snapshot requests")
+        return await self.backend.snapshot(request_id, with_kv=with_kv)
 
     async def snapshot_many(
         self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
     ) -> dict[str, Any]:
         """As ``Replica.snapshot_many``; ``hold_kv`` (a backend that can, in-process moves
         only): the KV stays held here and the replica that restores a snapshot reads it."""
-        many = getattr(self.backend, "snapshot_many", None)
-        if many is None:
+        if not isinstance(self.backend, SupportsSnapshotMany):
             return await super().snapshot_many(request_ids, with_kv=with_kv)
         self._check()
-        if hold_kv and self.can_hold_kv:
-            return dict(await many(request_ids, with_kv=with_kv, hold_kv=True))
-        return dict(await many(request_ids, with_kv=with_kv))
+        return dict(await self.backend.snapshot_many(request_ids, with_kv=with_kv, hold_kv=hold_kv))
 
     @property
     def can_hold_kv(self) -> bool:
         """Whether this replica's snapshots can hold their KV for an in-process move."""
-        many = getattr(self.backend, "snapshot_many", None)
-        return many is not None and "hold_kv" in inspect.signature(many).parameters
+        return isinstance(self.backend, SupportsSnapshotMany)
 
     async def abort(self, request_id: str) -> None:
-        if self._dead is None and hasattr(self.backend, "abort"):
+        if self._dead is None and isinstance(self.backend, SupportsAbort):
             await self.backend.abort(request_id)
 
     async def inflight(self) -> dict[str, int]:
         self._check()
-        probe = getattr(self.backend, "inflight", None)
-        return dict(probe()) if probe is not None else {}
+        if isinstance(self.backend, ReportsInflight):
+            return dict(self.backend.inflight())
+        return {}
 
-    async def stage(self, update: Any, *, max_bytes: int | None = None) -> None:
+    async def stage(self, update: WeightUpdate, *, max_bytes: int | None = None) -> None:
         self._check()
-        stage = getattr(self.backend, "stage", None)
-        if stage is None:
+        if not isinstance(self.backend, SupportsStaging):
             await super().stage(update)
         else:
-            await stage(update, max_bytes=max_bytes)
+            await self.backend.stage(update, max_bytes=max_bytes)
 
     async def swap(self) -> int:
         self._check()
-        swap = getattr(self.backend, "swap", None)
-        if swap is None:
+        if not isinstance(self.backend, SupportsStaging):
             return await super().swap()
-        self._version = int(await swap())
+        self._version = int(await self.backend.swap())
         return self._version
 
     async def busy_seconds(self) -> float:
-        return float(getattr(self.backend, "busy_seconds", 0.0))
+        return float(self.backend.busy_seconds) if isinstance(self.backend, ReportsBusy) else 0.0
 
     async def steps(self) -> int:
-        return int(getattr(self.backend, "steps", 0))
+        return int(self.backend.steps) if isinstance(self.backend, ReportsBusy) else 0
 
     async def generating_seconds(self) -> float:
-        return float(getattr(self.backend, "generating_seconds", 0.0))
+        if isinstance(self.backend, ReportsBusy):
+            return float(self.backend.generating_seconds)
+        return 0.0
 
 
 __all__ = ["LocalReplica", "Replica", "ReplicaDown"]

@@ -26,11 +26,18 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from agentroll.backends.base import Backend, GenerationRequest, ResumePolicy, SamplingParams
+from agentroll.backends.base import (
+    Backend,
+    GenerationRequest,
+    ReportsInflight,
+    ResumePolicy,
+    SamplingParams,
+    SupportsSnapshot,
+)
 from agentroll.chat import ChatTokenizer, ParsedOutput, get_tool_parser
 from agentroll.env import Environment, EpisodeState, call_hook
 from agentroll.errors import BackendError, ConfigError, GenerationTimeout
@@ -54,6 +61,9 @@ from agentroll.types import (
     now,
     unicode_safe,
 )
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 logger = logging.getLogger("agentroll.rollout.engine")
 _LONG_TEXT = 64 * 1024  # render/tokenize texts longer than this off the event loop
@@ -135,7 +145,7 @@ class RolloutEngine:
         *,
         tokenizer: ChatTokenizer | None = None,
     ) -> None:
-        tok = tokenizer or getattr(backend, "tokenizer", None)
+        tok = tokenizer or backend.tokenizer
         if tok is None:
             raise ConfigError("RolloutEngine needs a ChatTokenizer (pass tokenizer=...)")
         self.backend = backend
@@ -230,7 +240,9 @@ class RolloutEngine:
         self._ramp.set()
         return await self.pauses.resume(policies)
 
-    async def sync(self, update: Any, *, policy: ResumePolicy | PolicyFn = "keep") -> float:
+    async def sync(
+        self, update: WeightUpdate, *, policy: ResumePolicy | PolicyFn = "keep"
+    ) -> float:
         """Pause, apply a ``WeightUpdate`` to the backend, resume; returns the pause length.
         A refused update raises ``WeightSyncError`` after resuming on the old weights."""
         await self.pause(policy)
@@ -252,10 +264,10 @@ class RolloutEngine:
         generation paused in the backend (running tool calls and scoring finish first)."""
         if not self.paused:
             raise RuntimeError("quiesce() needs the engine paused; call `await engine.pause()`")
-        probe = getattr(self.backend, "inflight", None)
+        backend = self.backend
         async with asyncio.timeout(timeout):
             while True:
-                inflight = set(probe()) if probe is not None else None
+                inflight = set(backend.inflight()) if isinstance(backend, ReportsInflight) else None
                 if all(self._quiescent(r, inflight) for r in self._live.values()):
                     return
                 await asyncio.sleep(0.005)
@@ -271,7 +283,7 @@ class RolloutEngine:
         await self.quiesce(timeout)
         out = Path(directory)
         await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
-        snapshot = getattr(self.backend, "snapshot", None)
+        snapshot = self.backend.snapshot if isinstance(self.backend, SupportsSnapshot) else None
         paths = []
         runs = list(self._live.values())
         self._checkpointed = {(run.group_id, run.state.sample_index) for run in runs}
@@ -783,9 +795,8 @@ class RolloutEngine:
         of the turn (the partial turn is dropped and regenerated)."""
         pending, run.pending = run.pending, None
         if pending is not None:
-            restore = getattr(self.backend, "restore", None)
-            if restore is not None:
-                return restore(pending)
+            if isinstance(self.backend, SupportsSnapshot):
+                return self.backend.restore(pending)
             run.builder.truncate(run.gen_start)
             run.restarted_turns += 1
             self.stats["restarted_turns"] += 1

@@ -20,7 +20,7 @@ from streams import Run, consume
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.vllm import vllm_available
-from agentroll.backends.vllm_server import HTTPBackend, serve_vllm
+from agentroll.backends.vllm_server import VLLMServerBackend, serve_vllm
 from agentroll.errors import BackendError, WeightSyncError
 from agentroll.testing import SyntheticTrainer
 
@@ -35,11 +35,11 @@ def request(rid: str, max_tokens: int = 4, seed: int = 1) -> GenerationRequest:
     )
 
 
-async def run(backend: HTTPBackend, req: GenerationRequest, **sync: Any) -> Run:
+async def run(backend: VLLMServerBackend, req: GenerationRequest, **sync: Any) -> Run:
     return await consume(backend, req, **sync)
 
 
-async def concurrent(backend: HTTPBackend, tag: str, policy: str, update: Any) -> list[Run]:
+async def concurrent(backend: VLLMServerBackend, tag: str, policy: str, update: Any) -> list[Run]:
     """Sixteen 900-token turns (prompt ``PROMPT + [i + 20]``); when the first has 3 tokens:
     pause, apply, resume."""
     import asyncio
@@ -92,7 +92,7 @@ def mock(responses: list[Any]) -> tuple[httpx.MockTransport, list[str]]:
 
 async def test_5xx_and_connection_errors_are_retried_then_succeed() -> None:
     transport, seen = mock([503, httpx.ConnectError("refused"), sse([5, 6, 7, 8])])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01) as backend:
         got = await run(backend, request("r"))
     assert got.ids == [5, 6, 7, 8] and got.logprobs == [-0.5] * 4
     assert seen.count("/v1/completions") == 3 and backend.stats["retries"] == 2
@@ -100,14 +100,14 @@ async def test_5xx_and_connection_errors_are_retried_then_succeed() -> None:
 
 async def test_a_server_that_keeps_failing_fails_the_call_with_a_clear_error() -> None:
     transport, _ = mock([500])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.01, retries=2) as b:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01, retries=2) as b:
         with pytest.raises(BackendError, match=r"failed 3 times in a row; last error: HTTP 500"):
             await run(b, request("r"))
 
 
 async def test_a_refusal_is_not_retried() -> None:
     transport, seen = mock([400])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01) as backend:
         with pytest.raises(BackendError, match="refused"):
             await run(backend, request("r"))
     assert seen.count("/v1/completions") == 1
@@ -117,7 +117,7 @@ async def test_an_unreachable_server_fails_at_start() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens after the with block
-    backend = HTTPBackend(f"http://127.0.0.1:{port}", retries=1, backoff=0.01)
+    backend = VLLMServerBackend(f"http://127.0.0.1:{port}", retries=1, backoff=0.01)
     with pytest.raises(BackendError, match="failed after 2 attempts"):
         await backend.start()
     await backend.close()
@@ -126,7 +126,7 @@ async def test_an_unreachable_server_fails_at_start() -> None:
 async def test_a_broken_stream_is_resubmitted_with_what_arrived() -> None:
     half = sse([5, 6]).replace(b'"length"', b"null").replace(b"data: [DONE]\n\n", b"")
     transport, _ = mock([half, sse([7, 8])])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.01) as backend:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01) as backend:
         got = await run(backend, request("r"))
     assert got.ids == [5, 6, 7, 8] and backend.stats["resubmitted"] == 1
 
@@ -146,7 +146,7 @@ async def test_a_server_sending_garbage_fails_the_call_not_the_trajectory(event:
     """Events that are not what the completions API sends are retried, then a BackendError;
     no token of them is delivered."""
     transport, _ = mock([f"data: {json.dumps(event)}\n\n".encode()])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.01, retries=1) as b:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01, retries=1) as b:
         with pytest.raises(BackendError, match="failed 2 times in a row"):
             await run(b, request("r"))
 
@@ -156,7 +156,7 @@ async def test_a_server_that_never_finishes_fails_the_call_instead_of_looping() 
     resubmitted forever, past max_tokens."""
     endless = sse([5]).replace(b'"length"', b"null").replace(b"data: [DONE]\n\n", b"")
     transport, seen = mock([endless])
-    async with HTTPBackend("http://server", transport=transport, backoff=0.001) as backend:
+    async with VLLMServerBackend("http://server", transport=transport, backoff=0.001) as backend:
         with pytest.raises(BackendError, match="no finish reason came"):
             await run(backend, request("r", max_tokens=4))
     assert seen.count("/v1/completions") == 4
@@ -170,7 +170,7 @@ _WHY = vllm_available()
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[HTTPBackend]:
+) -> AsyncIterator[VLLMServerBackend]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -180,7 +180,7 @@ async def server(
     try:
         async with (
             serve_vllm(tiny_model, port=port, max_model_len=1024) as url,
-            HTTPBackend(url, model_dir=tiny_model) as backend,
+            VLLMServerBackend(url, model_dir=tiny_model) as backend,
         ):
             backend.server_log = log  # type: ignore[attr-defined]
             yield backend
@@ -192,7 +192,7 @@ async def server(
 
 
 @contextlib.contextmanager
-def server_log_on_error(server: HTTPBackend) -> Iterator[None]:
+def server_log_on_error(server: VLLMServerBackend) -> Iterator[None]:
     """A failure that reaches the server's end (it died, say) comes with its log's tail."""
     try:
         yield
@@ -204,14 +204,14 @@ def server_log_on_error(server: HTTPBackend) -> Iterator[None]:
 @pytest.mark.vllm
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
-async def test_server_semantics(server: HTTPBackend, tiny_model: Path) -> None:
+async def test_server_semantics(server: VLLMServerBackend, tiny_model: Path) -> None:
     """One engine start for all of it: seeds, pause parity, recompute rescoring, keep
     versions, restart, a failed update."""
     with server_log_on_error(server):
         await _server_semantics(server, tiny_model)
 
 
-async def _server_semantics(server: HTTPBackend, tiny_model: Path) -> None:
+async def _server_semantics(server: VLLMServerBackend, tiny_model: Path) -> None:
     trainer = SyntheticTrainer(tiny_model, fraction=0.05, seed=5)
     a = await run(server, request("a", 24))
     b = await run(server, request("b", 24))

@@ -129,7 +129,7 @@ def test_sandbox_option_errors_name_the_field(text: str, field: str) -> None:
 
 def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
     from agentroll.backends.vllm import VLLMBackend
-    from agentroll.backends.vllm_server import HTTPBackend
+    from agentroll.backends.vllm_server import VLLMServerBackend
     from agentroll.run.service import build_backend
 
     fleet: Any = build_backend(parse_recipe('[backend]\nkind = "vllm"\nreplicas = 2\n'), tmp_path)
@@ -140,7 +140,7 @@ def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
     )
     fleet = build_backend(recipe, tmp_path)
     assert [r.backend.base_url for r in fleet.replicas.values()] == recipe.backend.urls
-    assert all(isinstance(r.backend, HTTPBackend) for r in fleet.replicas.values())
+    assert all(isinstance(r.backend, VLLMServerBackend) for r in fleet.replicas.values())
     with pytest.raises(ConfigError, match=r"backend\.urls"):
         parse_recipe('[backend]\nkind = "http"\nreplicas = 2\nurls = ["http://x"]\n')
     recipe = parse_recipe(
