@@ -283,7 +283,7 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
             if data is not None:
                 cp.sandbox = data
         if any(rel.startswith("request/") for rel in stored.files):
-            from agentroll.engine.engine import RequestSnapshot  # torch: only when needed
+            from agentroll.engine.snapshot import RequestSnapshot  # torch: only when needed
 
             try:
                 cp.pending = RequestSnapshot.load(p / "request")

@@ -242,7 +242,7 @@ class SandboxSection(_Section, frozen=True):
         if self.options and self.backend != "docker":
             raise ValueError("sandbox.options apply to backend = 'docker' only")
         if self.options:
-            from agentroll.sandbox.docker import DockerOptions
+            from agentroll.sandbox.docker_options import DockerOptions
 
             try:
                 opts = msgspec.convert(self.options, DockerOptions)

@@ -1,25 +1,9 @@
 """The in-container agent: one long-lived process that runs commands and moves files.
 
-A docker sandbox starts this file as its container's main process (``python3 -c SOURCE
-TTL WORKDIR UID``, under tini, as root with only CAP_SETUID/SETGID/KILL) and talks to it
-over the attached stdin/stdout, so a tool call is one round trip on an open connection.
-The same file runs as a plain subprocess in the unit tests (UID ``-1``: commands run as the
-agent's own user and only their process groups are killed).
-
-Wire format: 4-byte big-endian length, then the body.  Requests are UTF-8 JSON objects;
-the first one is ``{"key": HEX}``, the secret that authenticates every reply: a reply body
-is ``HMAC-SHA256(key, json) + json``.  Every reply carries its request's ``id``; the agent
-first sends ``{"hello": 1, ...}``.  Ops: ``exec``, ``kill`` (SIGKILL a running exec's
-group), ``ping``, ``reset`` (kill every other process, empty directories), ``read``,
-``write``, ``snapshot``, ``restore`` (the working directory's files).
-
-Invariants: stdlib only, Python >= 3.8; commands run as UID (never the agent's uid 0), so
-they can neither signal the agent nor open its ``/proc/<pid>/fd`` (it is also non-dumpable);
-when the last running exec ends, every process of UID is SIGKILLed and checked gone before
-its reply is sent, so nothing a command starts outlives its call; file ops run with UID's
-filesystem rights (a per-thread fsuid) and never reach outside WORKDIR (the opened file's
-real path is checked); output is bounded per stream; children get ``oom_score_adj`` 1000;
-the agent exits on stdin EOF and, through SIGALRM, after TTL seconds.
+Invariants: stdlib only, Python >= 3.8, one self-contained file (a container runs it as
+``python3 -c SOURCE TTL WORKDIR UID``); commands run as UID, never as the agent, and nothing
+they start outlives their call; file ops use UID's rights and stay inside WORKDIR; output is
+bounded per stream; the agent exits on stdin EOF and, through SIGALRM, after TTL seconds.
 """
 
 from __future__ import annotations
@@ -168,14 +152,12 @@ def _limits(workdir: str) -> dict[str, Any]:
     out["memory"] = int(mem) if mem and mem.isdigit() and int(mem) < 1 << 60 else None
     cpu = _read_first("/sys/fs/cgroup/cpu.max")
     quota_period = cpu.split() if cpu else []
-    if not quota_period:
-        quota = _read_first(
-            "/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu.cfs_quota_us"
-        )
-        period = _read_first(
-            "/sys/fs/cgroup/cpu/cpu.cfs_period_us", "/sys/fs/cgroup/cpu.cfs_period_us"
-        )
-        quota_period = [quota or "max", period or "100000"]
+    if not quota_period:  # cgroup v1
+        v1 = [
+            _read_first(f"/sys/fs/cgroup/cpu/cpu.cfs_{n}_us", f"/sys/fs/cgroup/cpu.cfs_{n}_us")
+            for n in ("quota", "period")
+        ]
+        quota_period = [v1[0] or "max", v1[1] or "100000"]
     try:
         out["cpus"] = int(quota_period[0]) / int(quota_period[1])
     except (ValueError, IndexError, ZeroDivisionError):
@@ -245,21 +227,16 @@ def _empty_dir(path: str) -> None:
                 os.rmdir(full)
 
 
-def _make_removable(path: str) -> None:
-    """Give back write/search permission on directories a command locked (it owns them)."""
-    for root, dirs, _ in os.walk(path):
-        for name in dirs:
-            full = os.path.join(root, name)
-            if not os.path.islink(full):
-                with contextlib.suppress(OSError):
-                    os.chmod(full, 0o700)
-
-
 def _empty(path: str) -> None:
     try:
         _empty_dir(path)
-    except PermissionError:
-        _make_removable(path)
+    except PermissionError:  # give back write/search on directories a command locked
+        for root, dirs, _ in os.walk(path):
+            for name in dirs:
+                full = os.path.join(root, name)
+                if not os.path.islink(full):
+                    with contextlib.suppress(OSError):
+                        os.chmod(full, 0o700)
         _empty_dir(path)
 
 
@@ -284,6 +261,13 @@ class _Libc:
 
 
 class Agent:
+    """Serves ``_channel``'s protocol on stdin/stdout: frames of a 4-byte big-endian length
+    and a UTF-8 JSON body; the first request is ``{"key": HEX}``, every reply is
+    ``HMAC-SHA256(key, json) + json`` with its request's ``id``, the first ``{"hello": 1}``.
+    Ops: ``exec``, ``kill`` (SIGKILL a running exec's group), ``ping``, ``reset`` (kill every
+    other process, empty directories), ``read``, ``write``, ``snapshot``, ``restore``.  UID
+    ``-1`` (unit tests): commands run as the agent's own user, only their groups are killed."""
+
     def __init__(self, out: BinaryIO, key: bytes, workdir: str, uid: int = -1) -> None:
         self.out = out
         self.key = key
@@ -332,12 +316,12 @@ class Agent:
 
     def serve(self, inp: BinaryIO) -> None:
         handlers = {
-            "exec": self.run_exec,
-            "reset": self.run_reset,
-            "read": self.run_file_op,
-            "write": self.run_file_op,
-            "snapshot": self.run_file_op,
-            "restore": self.run_file_op,
+            "exec": self.execute,
+            "reset": lambda m: self.reset(list(m["dirs"]), bool(m.get("kill", True))),
+            "read": self.file_op,
+            "write": self.file_op,
+            "snapshot": self.file_op,
+            "restore": self.file_op,
         }
         while True:
             msg = _read_frame(inp)
@@ -346,7 +330,7 @@ class Agent:
             op = msg.get("op")
             if op in handlers:
                 try:
-                    _start(handlers[op], msg)
+                    _start(self.answer, handlers[op], msg)
                 except RuntimeError as exc:  # the pids limit stays full: answer, keep serving
                     self.send({"id": msg.get("id"), "error": f"RuntimeError: {exc}"})
             elif op == "kill":
@@ -378,19 +362,17 @@ class Agent:
         if proc is not None:
             _killpg(proc.pid)
 
-    def run_exec(self, msg: dict[str, Any]) -> None:
+    def answer(self, handler: Any, msg: dict[str, Any]) -> None:
+        """Send ``handler(msg)``'s reply, or its failure's: the agent answers every request."""
         try:
-            reply = self.execute(msg)
-        except Exception as exc:  # the agent must answer every request
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
+            reply = handler(msg)
+        except Exception as exc:
+            reply = _failure(msg["op"], exc)
         reply["id"] = msg["id"]
         self.send(reply)
 
     def execute(self, msg: dict[str, Any]) -> dict[str, Any]:
-        exec_id = msg["id"]
-        argv = list(msg["argv"])
-        limit = int(msg["max_output"])
-        cwd = msg["cwd"]
+        exec_id, argv, limit, cwd = msg["id"], list(msg["argv"]), int(msg["max_output"]), msg["cwd"]
         data = None if msg.get("stdin") is None else base64.b64decode(msg["stdin"])
         oom_before = _oom_kills()
         started = time.monotonic()
@@ -518,14 +500,6 @@ class Agent:
                     raise
                 time.sleep(0.02)
 
-    def run_reset(self, msg: dict[str, Any]) -> None:
-        try:
-            reply = self.reset(list(msg["dirs"]), bool(msg.get("kill", True)))
-        except Exception as exc:
-            reply = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"}
-        reply["id"] = msg["id"]
-        self.send(reply)
-
     def reset(self, dirs: list[str], kill: bool) -> dict[str, Any]:
         """Kill every process but tini and the agent, empty ``dirs``, then check both."""
         if kill:
@@ -547,29 +521,18 @@ class Agent:
 
     # -- files, inside the working directory, with the command uid's rights -------------
 
-    def run_file_op(self, msg: dict[str, Any]) -> None:
+    def file_op(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg["op"]
-        reply: dict[str, Any]
-        try:
-            with self.as_command():
-                if op == "read":
-                    reply = {"data": _b64(self.read(msg["path"]))}
-                elif op == "write":
-                    self.write(msg["path"], base64.b64decode(msg["data"]))
-                    reply = {"ok": True}
-                elif op == "snapshot":
-                    reply = {"data": _b64(self.snapshot())}
-                else:
-                    self.restore(base64.b64decode(msg["data"]))
-                    reply = {"ok": True}
-        except _Refused as exc:
-            reply = {"error": exc.kind, "detail": str(exc)}
-        except OSError as exc:
-            reply = {"error": "os", "errno": exc.errno or 0, "detail": str(exc)}
-        except Exception as exc:
-            reply = {"error": "other", "detail": f"{type(exc).__name__}: {exc}"}
-        reply["id"] = msg["id"]
-        self.send(reply)
+        with self.as_command():
+            if op == "read":
+                return {"data": _b64(self.read(msg["path"]))}
+            if op == "snapshot":
+                return {"data": _b64(self.snapshot())}
+            if op == "write":
+                self.write(msg["path"], base64.b64decode(msg["data"]))
+            else:
+                self.restore(base64.b64decode(msg["data"]))
+        return {"ok": True}
 
     def _full(self, rel: str) -> str:
         full = os.path.normpath(os.path.join(self.workdir, rel))
@@ -674,6 +637,20 @@ class Agent:
                     os.link(self._full(member.linkname), full, follow_symlinks=False)
         for full, mode in reversed(dir_modes):  # last: a read-only directory gets its files
             os.chmod(full, mode)
+
+
+def _failure(op: str, exc: Exception) -> dict[str, Any]:
+    """The reply to a request whose op raised ``exc``."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if op == "exec":
+        return {"error": detail}
+    if op == "reset":
+        return {"ok": False, "detail": detail}
+    if isinstance(exc, _Refused):
+        return {"error": exc.kind, "detail": str(exc)}
+    if isinstance(exc, OSError):
+        return {"error": "os", "errno": exc.errno or 0, "detail": str(exc)}
+    return {"error": "other", "detail": detail}
 
 
 def _anonymous(info: tarfile.TarInfo) -> tarfile.TarInfo:

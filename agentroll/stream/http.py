@@ -1,31 +1,9 @@
 """A small asyncio HTTP/1.1 server for the trajectory stream's API (httptools parses).
 
-Why not uvicorn + Starlette, which serve the weight endpoints: most of a lease body is spool
-records already in the page cache, and this server sends them with ``sendfile(2)``: no read
-into user memory, no copy into a transport buffer (the worker's CPU is what bounds the
-stream on a small machine).  What it does not do: TLS (put a proxy in front), HTTP/2,
-protocol upgrades, trailers.
-
-Invariants:
-- one request at a time per connection: a pipelined request is parsed, but its handler
-  starts once the response before it is complete (responses go out in request order);
-- every request gets exactly one response while its peer is there: ``HTTPError`` from a
-  handler becomes a text reply with its status, any other exception a 500 (logged), and the
-  server keeps serving; malformed HTTP gets 400 and the connection is closed;
-- a request body is read only when the handler asks (``body`` with a limit, or ``stream``),
-  and reading pauses while more than ``_BODY_QUEUE`` bytes of it wait to be consumed; a
-  response sent before its request's body was read closes the connection after it (after a
-  half-close, so the peer reads the response rather than a reset);
-- every wait on the peer is bounded (``HTTPConfig``): a request head must be complete
-  ``head_timeout`` seconds after the connection opened or the head's first byte came, a
-  handler reading the body gets 408 after ``body_timeout`` seconds without a byte of it (the
-  connection then closes), an idle keep-alive connection is closed after ``idle_timeout``;
-- connections are capped per client address and in all; a new one over a cap takes the
-  place of the oldest idle one that never sent the right token, else it gets 503 and is
-  closed at once; the cap is kept below ``RLIMIT_NOFILE`` (checked at start: the soft limit
-  is raised, or the cap lowered with a warning), so the spool never runs out of descriptors;
-- the descriptors a ``Response`` owns are closed once it was sent or failed (or the
-  connection is gone), so the files it reads may be unlinked meanwhile.
+Invariants: responses go out in request order, one handler at a time per connection; every
+request gets exactly one response while its peer is there; a body is read only on demand;
+every wait on the peer is bounded (``HTTPConfig``); a response's descriptors are closed
+once it was sent or failed.  Not supported: TLS, HTTP/2, protocol upgrades, trailers.
 """
 
 from __future__ import annotations
@@ -37,7 +15,6 @@ import hmac
 import logging
 import math
 import os
-import resource
 import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -49,6 +26,7 @@ import msgspec
 
 from agentroll._net import is_loopback
 from agentroll.errors import ConfigError
+from agentroll.stream.connections import _bulk_sndbuf, _fit_nofile, _Server
 
 logger = logging.getLogger("agentroll.stream.http")
 
@@ -58,11 +36,6 @@ _MAX_HEADERS = 128
 _BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
 _PIPELINE = 16  # requests waiting behind the current one before reading pauses
 _LINGER = 5.0  # seconds a closing connection discards what the peer still sends
-#: descriptors kept free of connections for the rest of the process (the spool's segment and
-#: ack files, sandboxes' pipes, model files), and the most one connection holds at once (its
-#: socket, a dup of it during sendfile, the spool files a lease response reads)
-_FDS_RESERVED = 512
-_FDS_PER_CONNECTION = 3
 
 
 class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -294,7 +267,31 @@ class App:
 
 class _Connection(asyncio.Protocol):
     """One client connection: parses requests, runs their handlers in order, writes the
-    responses (file ranges with sendfile)."""
+    responses (file ranges with sendfile).
+
+    Why not uvicorn + Starlette, which serve the weight endpoints: most of a lease body is spool
+    records already in the page cache, and this server sends them with ``sendfile(2)``: no read into
+    user memory, no copy into a transport buffer (the worker's CPU is what bounds the stream on a
+    small machine).  What it does not do: TLS (put a proxy in front), HTTP/2, protocol upgrades,
+    trailers.
+
+    Invariants:
+    - one request at a time per connection: a pipelined request is parsed, but its handler starts
+      once the response before it is complete (responses go out in request order);
+    - every request gets exactly one response while its peer is there: ``HTTPError`` from a handler
+      becomes a text reply with its status, any other exception a 500 (logged), and the server keeps
+      serving; malformed HTTP gets 400 and the connection is closed;
+    - a request body is read only when the handler asks (``body`` with a limit, or ``stream``), and
+      reading pauses while more than ``_BODY_QUEUE`` bytes of it wait to be consumed; a response
+      sent before its request's body was read closes the connection after it (after a half-close, so
+      the peer reads the response rather than a reset);
+    - every wait on the peer is bounded (``HTTPConfig``): a request head must be complete
+      ``head_timeout`` seconds after the connection opened or the head's first byte came, a handler
+      reading the body gets 408 after ``body_timeout`` seconds without a byte of it (the connection
+      then closes), an idle keep-alive connection is closed after ``idle_timeout``;
+    - the descriptors a ``Response`` owns are closed once it was sent or failed (or the connection
+      is gone), so the files it reads may be unlinked meanwhile.
+    """
 
     def __init__(self, server: _Server) -> None:
         self._server = server
@@ -627,136 +624,6 @@ class _Connection(asyncio.Protocol):
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():  # a selector callback may run again before it is removed
         future.set_result(None)
-
-
-class _Server:
-    def __init__(self, app: App, config: HTTPConfig) -> None:
-        self.app = app
-        self.config = config
-        # held connections, oldest first (dicts keep insertion order), in all and per client
-        self.connections: dict[_Connection, None] = {}
-        self.by_client: dict[str, dict[_Connection, None]] = {}
-        self.active = 0  # handlers running
-        self.idle = asyncio.Event()
-        self.closing = False
-        self.refused = 0  # connections answered 503 (over a cap)
-        self.evicted = 0  # idle connections without the token closed for a new one
-
-    def admit(self, conn: _Connection) -> str | None:
-        """Count ``conn`` in, making room by evicting the oldest evictable connection where
-        a cap is reached; the 503 message when there is no room."""
-        cfg = self.config
-        mine = self.by_client.get(conn.client, {})
-        if len(mine) >= cfg.max_connections_per_client and not self._evict(mine):
-            self.refused += 1
-            return (
-                f"too many connections from {conn.client} (HTTPConfig."
-                f"max_connections_per_client={cfg.max_connections_per_client}); close idle "
-                "ones and retry"
-            )
-        if len(self.connections) >= cfg.max_connections and not self._evict(self.connections):
-            self.refused += 1
-            return (
-                f"the server holds its most connections (HTTPConfig.max_connections="
-                f"{cfg.max_connections}); retry later"
-            )
-        conn.counted = True
-        self.connections[conn] = None
-        self.by_client.setdefault(conn.client, {})[conn] = None
-        return None
-
-    def _evict(self, pool: dict[_Connection, None]) -> bool:
-        victim = next((c for c in pool if c.evictable), None)
-        if victim is None:
-            return False
-        self.forget(victim)
-        self.evicted += 1
-        victim._abort()
-        return True
-
-    def forget(self, conn: _Connection) -> None:
-        """Stop counting ``conn`` (idempotent)."""
-        if not conn.counted:
-            return
-        conn.counted = False
-        self.connections.pop(conn, None)
-        mine = self.by_client.get(conn.client)
-        if mine is not None:
-            mine.pop(conn, None)
-            if not mine:
-                del self.by_client[conn.client]
-
-
-def _bulk_sndbuf() -> int | None:
-    """The send buffer to ask for: ``net.core.wmem_max`` when setting it explicitly (the
-    kernel doubles it) gives more than autotuning may reach (``tcp_wmem``'s max), so that a
-    whole lease body fits while the client decodes the one before; None (autotuning stays
-    on) otherwise, or where ``/proc`` says nothing."""
-    try:
-        with open("/proc/sys/net/core/wmem_max") as f:
-            wmem_max = int(f.read())
-        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-            auto_max = int(f.read().split()[2])
-    except (OSError, ValueError, IndexError):
-        return None
-    return sndbuf_choice(wmem_max, auto_max)
-
-
-def sndbuf_choice(wmem_max: int, autotune_max: int) -> int | None:
-    """``SO_SNDBUF`` to set given the sysctls (pure; see ``_bulk_sndbuf``)."""
-    return wmem_max if 2 * wmem_max > autotune_max else None
-
-
-def nofile_plan(max_connections: int, soft: int, hard: int) -> tuple[int, int]:
-    """``(soft RLIMIT_NOFILE to set, connections to allow)`` so that ``max_connections``
-    connections leave ``_FDS_RESERVED`` descriptors to the rest of the process: the soft
-    limit rises toward what is needed (up to ``hard``; ``resource.RLIM_INFINITY``: no bound),
-    and the cap falls to what the result allows (pure).  Raises ``ConfigError`` when the
-    hard limit leaves no room for one connection."""
-    need = _FDS_RESERVED + _FDS_PER_CONNECTION * max_connections
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return soft, max_connections
-    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-    target = max(target, soft)
-    allowed = min(max_connections, (target - _FDS_RESERVED) // _FDS_PER_CONNECTION)
-    if allowed < 1:
-        raise ConfigError(
-            f"RLIMIT_NOFILE (soft {soft}, hard {hard}) leaves no descriptors for connections "
-            f"beside the {_FDS_RESERVED} kept for the spool and the rest; raise it "
-            f"(ulimit -n {need})"
-        )
-    return target, allowed
-
-
-def _fit_nofile(config: HTTPConfig, what: str) -> HTTPConfig:
-    """``config`` with its caps lowered to what RLIMIT_NOFILE allows, after raising the soft
-    limit as far as needed and the hard limit lets it (see ``nofile_plan``)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target, allowed = nofile_plan(config.max_connections, soft, hard)
-    if target != soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            logger.info("raised the soft RLIMIT_NOFILE from %d to %d for %s", soft, target, what)
-        except (ValueError, OSError) as exc:
-            logger.warning("could not raise the soft RLIMIT_NOFILE to %d: %s", target, exc)
-            target, allowed = nofile_plan(config.max_connections, soft, soft)
-    if allowed < config.max_connections:
-        logger.warning(
-            "serving %s with at most %d connections, not HTTPConfig.max_connections=%d: "
-            "RLIMIT_NOFILE (soft %d, hard %d) has no room for more beside the spool; raise "
-            "`ulimit -n` to allow them",
-            what,
-            allowed,
-            config.max_connections,
-            target,
-            hard,
-        )
-        config = msgspec.structs.replace(
-            config,
-            max_connections=allowed,
-            max_connections_per_client=min(config.max_connections_per_client, allowed),
-        )
-    return config
 
 
 @contextlib.asynccontextmanager

@@ -1,439 +1,65 @@
 """The durable spool: finished trajectories on disk until a trainer acknowledges them.
 
-A directory of append-only segment files plus an ack log.  Invariants: a record is durable
-once ``flush`` returned (written and fsync'd); on open every segment is scanned and a torn or
-corrupt tail (partial frame, bad magic, bad xxh3) is truncated, counted and logged, so what
-``pending`` yields always passed its checksum; an acknowledged record is never yielded again,
-and a segment whose records are all acknowledged is deleted once the ack is durable, or
-its file is kept for reuse (``SpoolConfig.recycle_segments``): a new segment then overwrites
-blocks that are already allocated, so an fsync writes data without a journal commit for the
-file's size and blocks.  A recycled file still holds its old records past the new ones; each
-record's frame carries a tag and an xxh3 seed taken from its segment's number (numbers are
-never reused), so an old record never passes the check in its new segment.
-Stale drops are not deletions: ``drop`` copies the records to the dropped segment
-(``dropped/``, the same frames; read it with ``read_dropped``), makes the copy durable, and
-only then acknowledges them; the dropped segment keeps the newest ``dropped_max_records`` /
-``dropped_max_bytes`` of them (whole files of the oldest go first), and counts what it held
-and what retention removed (``SpoolStats.dropped_*``).
-Methods are synchronous and thread-safe: one lock guards the index and is held for little
-file I/O (the ack log's small writes, a rollover, the fsync of ``ack(sync=True)``); appends
-take turns on a second lock and write outside the first, so a read or an ack never waits
-for an append's write, nor for ``collect``'s unlinks.  Async callers run them in a thread.
+Invariants: a record is durable once ``flush`` returned; on open a torn or corrupt tail of
+every segment is truncated, counted and logged, so ``pending`` yields only checked records;
+an acknowledged record is never yielded again, and its segment goes (or is kept for reuse)
+once every record in it is acknowledged durably; a stale drop is copied before its ack.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
-import struct
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
-import xxhash
 
 from agentroll._fs import fsync_path
 from agentroll.errors import ConfigError
+from agentroll.stream.dropped import DROPPED_DIR, _DroppedLog
+from agentroll.stream.segment import (
+    _RECORD,
+    _SEGMENT_SUFFIX,
+    _encode_ack,
+    _frame_head,
+    _preallocate,
+    _record_id,
+    _retire_file,
+    _scan_acks,
+    _scan_records,
+    _Segment,
+)
+from agentroll.stream.spool_config import SpoolConfig, SpoolRecord, SpoolStats
 from agentroll.types import Trajectory, encode_msgpack
 
 logger = logging.getLogger("agentroll.stream.spool")
 
-#: record frame: magic, payload length, id length, tag, xxh3-64 of (bytes 4..12, id,
-#: payload); then the id (utf-8) and the payload (``encode_msgpack(trajectory)``).  Tag 0:
-#: the xxh3 is unseeded (spools written before segments were recycled); else the tag is
-#: ``_tag(segment number)`` and the xxh3 is seeded with that number
-RECORD_MAGIC = b"ARS\x01"
-_RECORD = struct.Struct("<4sIHHQ")
-#: ack frame: magic, payload length, xxh3-64 of (bytes 4..8, payload); payload = msgpack ids
-ACK_MAGIC = b"ARK\x01"
-_ACK = struct.Struct("<4sIQ")
 ACK_LOG = "acks.log"
 LOCK_FILE = "LOCK"
-DROPPED_DIR = "dropped"  # stale-dropped records, kept for inspection up to a retention limit
-_SEGMENT_SUFFIX = ".seg"
-MAX_PAYLOAD = (1 << 32) - 1
-MAX_ID_BYTES = (1 << 16) - 1
 _WRITEV_RECORDS = 300  # 3 buffers per record: under IOV_MAX (1024)
 _FREE_SUFFIX = ".free"  # a fully acknowledged segment's file kept for reuse
-
-
-def _tag(number: int) -> int:
-    """The frame tag of records in segment ``number`` (never 0)."""
-    return 0x8000 | (number & 0x7FFF)
-
-
-class SpoolConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Static spool settings.
-
-    ``segment_bytes``: a segment is closed (and a new one started) once it reaches this size;
-    smaller segments free disk sooner after acks.  ``sync_every``: when > 0, ``append``
-    flushes by itself after this many unflushed records (0: only explicit ``flush`` calls).
-    ``compact_ack_log_bytes``: the ack log is rewritten (only the acks still needed) when it
-    grows past this size.  ``dropped_max_records`` / ``dropped_max_bytes``: how many
-    stale-dropped records (and bytes of their files) the dropped segment keeps at most; the
-    oldest go first, a file at a time (0: none is kept, each drop is only counted).  ``recycle_segments``: how many fully acknowledged segment files
-    are kept (renamed, their disk blocks still allocated) for new segments to overwrite
-    instead of being deleted; 0 deletes them all.  Overwriting allocated blocks makes an
-    append + fsync cheaper (no block allocation, no journal commit of the file's size; 730
-    MB in 1.4 MB rounds: 0.21 s against 0.57 s here), at the cost of that much disk."""
-
-    segment_bytes: int = 64 << 20
-    sync_every: int = 0
-    compact_ack_log_bytes: int = 4 << 20
-    recycle_segments: int = 4
-    dropped_max_records: int = 10_000
-    dropped_max_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        for name in ("dropped_max_records", "dropped_max_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"SpoolConfig.{name}={value!r}; use 0 (keep none) or more")
-        if self.segment_bytes < 4096:
-            raise ConfigError(f"SpoolConfig.segment_bytes={self.segment_bytes}; use >= 4096")
-        if self.sync_every < 0:
-            raise ConfigError(f"SpoolConfig.sync_every={self.sync_every}; use 0 (off) or >= 1")
-        if self.recycle_segments < 0:
-            raise ConfigError(
-                f"SpoolConfig.recycle_segments={self.recycle_segments}; use 0 (delete) or more"
-            )
-        if self.compact_ack_log_bytes < 1024:
-            raise ConfigError(
-                f"SpoolConfig.compact_ack_log_bytes={self.compact_ack_log_bytes}; use >= 1024"
-            )
-
-
-class SpoolStats(msgspec.Struct, kw_only=True):
-    """Counters of one open spool.  ``records``: unacknowledged records (durable or not);
-    ``bytes``: size of the segment files; ``torn_bytes_dropped``: bytes truncated at open."""
-
-    records: int = 0
-    bytes: int = 0
-    segments: int = 0
-    appended: int = 0
-    acked: int = 0
-    fsyncs: int = 0
-    torn_bytes_dropped: int = 0
-    torn_records_dropped: int = 0
-    ack_log_bytes: int = 0
-    ack_log_compactions: int = 0
-    dropped: int = 0  # records moved to the dropped segment by this process (stale drops)
-    dropped_records: int = 0  # records the dropped segment holds now
-    dropped_bytes: int = 0  # size of its files
-    dropped_evicted: int = 0  # records its retention limit removed (this process)
-
-
-class SpoolRecord(msgspec.Struct, frozen=True):
-    """One durable, unacknowledged record: trajectory id and its msgpack bytes."""
-
-    id: str
-    data: bytes
-
-
-class _Segment:
-    __slots__ = ("acked", "live", "number", "path", "recyclable", "size")
-
-    def __init__(self, number: int, path: Path, size: int, *, recyclable: bool = True) -> None:
-        self.number = number
-        self.path = path
-        self.size = size
-        self.live = 0  # unacknowledged records
-        self.acked: set[str] = set()  # acknowledged ids still stored here (for compaction)
-        # only tagged records in the file: reusable (an untagged old record would pass its
-        # unseeded check again past the new records)
-        self.recyclable = recyclable
-
-
-def _record_checksum(
-    header_tail: bytes, rid: bytes, payload: bytes | memoryview, seed: int = 0
-) -> int:
-    h = xxhash.xxh3_64(header_tail, seed=seed)
-    h.update(rid)
-    h.update(payload)
-    return h.intdigest()
-
-
-def encode_record(traj_id: str, payload: bytes, segment: int | None = None) -> bytes:
-    """One framed record for segment number ``segment`` (None: the untagged format of older
-    spools); exposed for tests that forge torn, corrupt or stale files."""
-    rid = _record_id(traj_id, payload)
-    return _frame_head(rid, payload, segment) + rid + payload
-
-
-def _record_id(traj_id: str, payload: bytes) -> bytes:
-    rid = traj_id.encode()
-    if len(rid) > MAX_ID_BYTES or len(payload) > MAX_PAYLOAD:
-        raise ValueError(
-            f"record {traj_id[:40]!r} too large for the spool frame (id {len(rid)} bytes, "
-            f"payload {len(payload)} bytes; limits {MAX_ID_BYTES} and {MAX_PAYLOAD})"
-        )
-    return rid
-
-
-def _frame_head(rid: bytes, payload: bytes, segment: int | None) -> bytes:
-    tag, seed = (0, 0) if segment is None else (_tag(segment), segment)
-    tail = struct.pack("<IHH", len(payload), len(rid), tag)
-    digest = _record_checksum(tail, rid, payload, seed)
-    return _RECORD.pack(RECORD_MAGIC, len(payload), len(rid), tag, digest)
-
-
-def _encode_ack(ids: list[str]) -> bytes:
-    payload = msgspec.msgpack.encode(ids)
-    length = struct.pack("<I", len(payload))
-    digest = xxhash.xxh3_64_intdigest(length + payload)
-    return _ACK.pack(ACK_MAGIC, len(payload), digest) + payload
-
-
-def _scan_records(data: bytes, number: int) -> tuple[list[tuple[str, int, int]], int, int, bool]:
-    """Parse segment ``number``: ``([(id, payload_offset, payload_len)], good_end,
-    torn_records, untagged)``; ``good_end`` is the end of the last intact frame (everything
-    after it is dropped: a torn write, or the old records of a recycled file, whose tag and
-    seed are another segment's); ``untagged``: records of the older, untagged format."""
-    view = memoryview(data)
-    out: list[tuple[str, int, int]] = []
-    pos = 0
-    untagged = False
-    while pos < len(data):
-        if len(data) - pos < _RECORD.size:
-            return out, pos, 1, untagged
-        magic, length, id_len, tag, digest = _RECORD.unpack_from(data, pos)
-        start = pos + _RECORD.size
-        end = start + id_len + length
-        if magic != RECORD_MAGIC or end > len(data) or tag not in (0, _tag(number)):
-            return out, pos, 1, untagged
-        rid = bytes(view[start : start + id_len])
-        payload = view[start + id_len : end]
-        seed = number if tag else 0
-        if _record_checksum(bytes(view[pos + 4 : pos + 12]), rid, payload, seed) != digest:
-            return out, pos, 1, untagged
-        try:
-            out.append((rid.decode(), start + id_len, length))
-        except UnicodeDecodeError:
-            return out, pos, 1, untagged
-        untagged = untagged or not tag
-        pos = end
-    return out, pos, 0, untagged
-
-
-def _scan_acks(data: bytes) -> tuple[list[str], int]:
-    """Parse the ack log: ``(ids, good_end)``."""
-    ids: list[str] = []
-    pos = 0
-    while len(data) - pos >= _ACK.size:
-        magic, length, digest = _ACK.unpack_from(data, pos)
-        end = pos + _ACK.size + length
-        if magic != ACK_MAGIC or end > len(data):
-            break
-        if xxhash.xxh3_64_intdigest(data[pos + 4 : pos + 8] + data[pos + _ACK.size : end]) != (
-            digest
-        ):
-            break
-        try:
-            ids.extend(msgspec.msgpack.decode(data[pos + _ACK.size : end], type=list[str]))
-        except msgspec.MsgspecError:
-            break
-        pos = end
-    return ids, pos
-
-
-def _retire_file(seg: _Segment, free: Path | None) -> None:
-    """A forgotten segment's file: renamed to ``free`` (kept for reuse) or deleted."""
-    if free is None:
-        seg.path.unlink(missing_ok=True)
-    else:
-        os.rename(seg.path, free)
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve ``size`` bytes of disk blocks for the file ``fd`` without changing its size
-    (Linux ``fallocate(FALLOC_FL_KEEP_SIZE)``; nothing where unsupported or refused).
-    Appends into reserved blocks skip the filesystem's per-page delayed allocation (ext4
-    here: 0.07 s instead of 0.6-0.9 s of writev for 747 MB in an isolated test).  The file's
-    size still grows only with what is written, so recovery reads exactly the records."""
-    if _fallocate is not None:
-        _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size)
-
-
-def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOC_FL_KEEP_SIZE = 1
-_fallocate = _load_fallocate()
-
-
-def _dropped_files(path: Path) -> list[tuple[int, int | None, Path]]:
-    """The dropped segment's files in order: ``(number, records or None, path)``; a closed
-    file's name carries its record count (``<number>-<records>.seg``), the open one's not."""
-    out: list[tuple[int, int | None, Path]] = []
-    for p in path.glob(f"*{_SEGMENT_SUFFIX}"):
-        stem = p.name[: -len(_SEGMENT_SUFFIX)]
-        number, _, count = stem.partition("-")
-        if number.isdigit() and (not count or count.isdigit()):
-            out.append((int(number), int(count) if count else None, p))
-    return sorted(out, key=lambda f: f[0])
-
-
-def read_dropped(spool_dir: str | Path) -> Iterator[SpoolRecord]:
-    """The records a spool dropped as stale and still keeps, oldest first (a torn tail, or a
-    file retention removes meanwhile, ends that file's part).  Safe while a worker holds the
-    spool: it only reads."""
-    for number, _, path in _dropped_files(Path(spool_dir) / DROPPED_DIR):
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            continue
-        records, _, _, _ = _scan_records(data, number)
-        view = memoryview(data)
-        for rid, offset, length in records:
-            yield SpoolRecord(rid, bytes(view[offset : offset + length]))
-
-
-class _DroppedLog:
-    """The dropped segment: append-only files of stale-dropped records under ``path``, the
-    oldest removed, a file at a time, beyond the retention limits.  Thread-safe."""
-
-    def __init__(self, path: Path, config: SpoolConfig) -> None:
-        self.path = path
-        self.config = config
-        self._lock = threading.Lock()  # held across a write and its fdatasync
-        self._counts = threading.Lock()  # only while the counters change: statistics never
-        # waits for an fdatasync (the spool's lock is held while it reads them)
-        self.moved = 0  # records appended by this process
-        self.evicted = 0  # records retention removed (or, with a limit of 0, never kept)
-        self.records = 0  # records held now
-        self.bytes = 0  # size of the files
-        self._files: list[list[Any]] = []  # [number, records, bytes, path], oldest first
-        self._fd: int | None = None  # the open (last) file
-        self._next = 1
-        # a file is closed at an eighth of a limit: retention removes no more than that
-        self._roll_records = max(1, config.dropped_max_records // 8)
-        self._roll_bytes = max(4096, config.dropped_max_bytes // 8)
-        if path.is_dir():
-            self._recover()
-
-    def _recover(self) -> None:
-        for number, count, path in _dropped_files(self.path):
-            self._next = max(self._next, number + 1)
-            if count is None:  # the file that was open: count it, cut a torn tail, close it
-                data = path.read_bytes()
-                records, good, _, _ = _scan_records(data, number)
-                if good < len(data):
-                    with open(path, "r+b") as f:
-                        f.truncate(good)
-                count = len(records)
-                closed = path.with_name(f"{number:012d}-{count}{_SEGMENT_SUFFIX}")
-                os.rename(path, closed)
-                path = closed
-            self._files.append([number, count, path.stat().st_size, path])
-        self._count()
-        self._retain()
-
-    def _count(self, moved: int = 0, evicted: int = 0) -> None:
-        with self._counts:
-            self.moved += moved
-            self.evicted += evicted
-            self.records = sum(f[1] for f in self._files)
-            self.bytes = sum(f[2] for f in self._files)
-
-    def statistics(self) -> tuple[int, int, int, int]:
-        """``(moved, records, bytes, evicted)``, one snapshot."""
-        with self._counts:
-            return self.moved, self.records, self.bytes, self.evicted
-
-    def append(self, records: list[tuple[str, bytes]]) -> None:
-        """Write ``records`` (``(id, payload)``) and fdatasync them; then apply retention."""
-        with self._lock:
-            if self.config.dropped_max_records == 0 or self.config.dropped_max_bytes == 0:
-                self._count(moved=len(records), evicted=len(records))  # kept none: counted
-                return
-            i = 0
-            while i < len(records):
-                entry = self._open()
-                number = entry[0]
-                parts: list[bytes] = []
-                j = i
-                while j < len(records) and (j == i or entry[1] + j - i < self._roll_records):
-                    rid, payload = records[j]
-                    rid_bytes = _record_id(rid, payload)
-                    parts += (_frame_head(rid_bytes, payload, number), rid_bytes, payload)
-                    j += 1
-                assert self._fd is not None
-                data = b"".join(parts)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view) :]
-                os.fdatasync(self._fd)
-                entry[1] += j - i
-                entry[2] += len(data)
-                if entry[1] >= self._roll_records or entry[2] >= self._roll_bytes:
-                    self._close()
-                i = j
-            self._count(moved=len(records))
-            self._retain()
-
-    def _open(self) -> list[Any]:
-        if self._fd is not None:
-            return self._files[-1]
-        self.path.mkdir(exist_ok=True)
-        number = self._next
-        self._next += 1
-        path = self.path / f"{number:012d}{_SEGMENT_SUFFIX}"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        fsync_path(self.path)  # the file's name is durable before the acks its records allow
-        entry: list[Any] = [number, 0, 0, path]
-        self._files.append(entry)
-        return entry
-
-    def _close(self) -> None:
-        """Close the open file and name it with its record count."""
-        if self._fd is None:
-            return
-        os.close(self._fd)
-        self._fd = None
-        entry = self._files[-1]
-        closed = entry[3].with_name(f"{entry[0]:012d}-{entry[1]}{_SEGMENT_SUFFIX}")
-        os.rename(entry[3], closed)
-        entry[3] = closed
-
-    def _retain(self) -> None:
-        """Remove the oldest files while the segment holds more than a limit allows."""
-        cfg = self.config
-        while self._files and (
-            self.records > cfg.dropped_max_records or self.bytes > cfg.dropped_max_bytes
-        ):
-            if len(self._files) == 1:
-                self._close()
-            _, count, _, path = self._files.pop(0)
-            path.unlink(missing_ok=True)
-            self._count(evicted=count)
-            logger.info(
-                "spool %s: retention removed %d dropped records (%s)", self.path, count, path.name
-            )
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
 
 
 class Spool:
     """An open spool directory (created if missing); one process at a time (``ConfigError``
     if another process holds it).  Use as a context manager or call ``close``.
+
+    A directory of append-only segment files (``segment``) plus an ack log.  A fully
+    acknowledged segment's file is kept for reuse (``SpoolConfig.recycle_segments``): a new
+    segment then overwrites blocks that are already allocated, so an fsync writes data
+    without a journal commit for the file's size and blocks.  ``drop`` copies stale records
+    to the dropped segment (``dropped/``, the same frames; ``read_dropped`` reads it), makes
+    the copy durable, and only then acknowledges them.
+
+    Methods are synchronous and thread-safe: one lock guards the index and is held for
+    little file I/O (the ack log's small writes, a rollover, the fsync of
+    ``ack(sync=True)``); appends take turns on a second lock and write outside the first, so
+    a read or an ack never waits for an append's write, nor for ``collect``'s unlinks.
+    Async callers run them in a thread.
 
     Raises ``OSError`` from the filesystem as is (disk full, permissions)."""
 

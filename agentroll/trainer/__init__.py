@@ -9,7 +9,8 @@ recorded; its exports are the ``WeightUpdate``s replicas apply bit-exactly.
 from agentroll.trainer.advantages import group_advantages
 from agentroll.trainer.base import Trainer, TrainStats
 from agentroll.trainer.batch import Batch, TrajectoryDataset, collate
-from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer, kv_lag_terms, ppo_objective
+from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
+from agentroll.trainer.objective import kv_lag_terms, ppo_objective
 
 __all__ = [
     "Batch",

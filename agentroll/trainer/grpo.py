@@ -1,25 +1,9 @@
-"""The reference torch trainer: GRPO advantages, token-level PPO clip against the rollout's
-behaviour logprobs with a truncated importance weight, and kv-lag aware token weighting.
+"""The reference torch trainer ``GRPOTrainer``: GRPO advantages, the loss of ``objective``
+over micro-batches of ``packing``, optimiser steps, exports and checkpoints.
 
-Per loss token t of a sequence with advantage A (``r = exp(logp_t - mu_t)``, ``mu`` the
-behaviour logprob the sampler recorded, ``sg`` stop-gradient), the objective maximised is
-
-    J_t = sg(min(1, C_t / r)) * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
-
-PPO's clipped surrogate with the behaviour policy as the old policy (the clip is the trust
-region around what was sampled), times IMPALA/V-trace's truncated importance weight: where the
-clip is inactive the gradient is ``min(r, C_t) * A * grad(logp_t)``, where it is active 0.  The
-truncation bounds the one term PPO leaves unbounded (A < 0, r large) like dual-clip PPO, but
-keeps a gradient of weight C there instead of none.  ``C_t`` is ``is_cap``; a token whose
-``kv_version`` lags its ``policy_version`` (it attended to KV computed under older weights)
-is, by ``kv_lag``: ``mask`` left out of the loss, ``cap`` given ``C_t = kv_lag_cap``,
-``weight`` weighted by ``kv_lag_weight ** (policy_version - kv_version)`` (a weight, not a
-renormalisation: the denominator still counts it).  Loss = -sum(w_t J_t + b H_t) / (loss tokens), ``H_t`` the entropy of the token's
-distribution and ``b`` the ``entropy_coef`` (0 by default),
-("token-mean") or the mean over sequences of their token means ("seq-mean"); micro-batching
-gives the same gradient as one pass.  Invariant: the forward pass is the engine's model code
-with dense causal attention, so under the same weights ``logprobs`` equals the engine's
-behaviour logprobs up to fp32 rounding (top-p / top-k sampling is not modelled).
+Invariant: the forward pass is the engine's model code with dense causal attention, so under
+the same weights ``logprobs`` equals the engine's behaviour logprobs up to fp32 rounding
+(top-p / top-k sampling is not modelled); micro-batching gives the same gradient as one pass.
 """
 
 from __future__ import annotations
@@ -34,23 +18,29 @@ from typing import Any, Literal
 
 import msgspec
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from agentroll._fs import atomic_dir
-from agentroll.engine.models.decoder import DecoderModel, apply_rope, load_model, rms_norm
+from agentroll.engine.models.decoder import DecoderModel, load_model
 from agentroll.errors import ConfigError
 from agentroll.trainer.base import TrainStats
 from agentroll.trainer.batch import Batch
+from agentroll.trainer.objective import kv_lag_terms, ppo_objective
+from agentroll.trainer.packing import MIN_SHARED_PREFIX, _micro_batches, _TrainOps, common_prefix
 from agentroll.weights.exporter import WeightExporter
 from agentroll.weights.update import DTYPES, WeightUpdate, model_digest, state_checksums
 
 _STATE_FORMAT = 1
-_MAX_LOG_RATIO = 80.0  # exp(80) is finite in fp32; beyond it the token is hopeless anyway
 
 
 class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Static settings of :class:`GRPOTrainer` (see the module docstring for the loss)."""
+    """Static settings of :class:`GRPOTrainer` (``objective.ppo_objective`` states the loss).
+
+    The loss is ``-sum(w_t J_t + b H_t)`` over loss tokens divided by their number
+    (``loss_agg="token-mean"``), or the mean over sequences of their token means
+    (``"seq-mean"``); ``J_t`` is ``ppo_objective``'s, ``w_t`` the kv-lag weight of
+    ``kv_lag_terms``, ``H_t`` the entropy of the token's distribution and ``b`` the
+    ``entropy_coef``."""
 
     lr: float = 1e-4  # AdamW
     weight_decay: float = 0.0  # on matrices only; norms and biases are never decayed
@@ -114,160 +104,6 @@ class GRPOConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def clip_high(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-
-
-# -- the loss, as pure tensor functions ------------------------------------------------------
-
-
-def kv_lag_terms(
-    policy_version: Tensor, kv_version: Tensor, config: GRPOConfig
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token ``(weight, cap, lagged)`` from the versions of loss tokens.
-
-    A token is lagged when ``0 <= kv_version < policy_version`` (a negative kv_version means
-    the backend did not record it: not lagged).  ``weight`` is 0 for lagged tokens under
-    ``mask``, ``kv_lag_weight ** lag`` under ``weight``, else 1; ``cap`` is ``kv_lag_cap`` for
-    lagged tokens under ``cap``, else ``is_cap``.  All float32 but ``lagged`` (bool).
-    """
-    pv, kv = policy_version.long(), kv_version.long()
-    lagged = (kv >= 0) & (kv < pv)
-    weight = torch.ones(pv.shape, dtype=torch.float32, device=pv.device)
-    cap = torch.full(pv.shape, config.is_cap, dtype=torch.float32, device=pv.device)
-    if config.kv_lag == "mask":
-        weight = torch.where(lagged, 0.0, weight)
-    elif config.kv_lag == "weight":
-        lag = torch.where(lagged, pv - kv, 0).float()
-        weight = torch.pow(torch.tensor(config.kv_lag_weight, device=pv.device), lag)
-    else:
-        cap = torch.where(lagged, config.kv_lag_cap, cap)
-    return weight, cap, lagged
-
-
-def ppo_objective(
-    logp: Tensor,
-    behaviour_logp: Tensor,
-    advantages: Tensor,
-    cap: Tensor | float,
-    *,
-    clip_low: float,
-    clip_high: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token objective ``J`` (to maximise; see the module docstring), the detached ratio
-    ``r`` and a bool mask of tokens whose PPO clip is active (zero gradient).
-
-    All inputs are 1-D over loss tokens; gradients flow through ``logp`` only.
-    """
-    log_ratio = logp - behaviour_logp
-    # keep exp() finite without cutting the gradient (value clamped, derivative kept)
-    log_ratio = log_ratio - (log_ratio - _MAX_LOG_RATIO).clamp(min=0).detach()
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    surrogate = torch.minimum(unclipped, clipped)
-    truncation = (torch.as_tensor(cap, dtype=ratio.dtype) / ratio.detach()).clamp(max=1.0)
-    r = ratio.detach()
-    clip_active = ((r > 1.0 + clip_high) & (advantages > 0)) | (
-        (r < 1.0 - clip_low) & (advantages < 0)
-    )
-    return truncation.detach() * surrogate, r, clip_active
-
-
-# -- the dense forward pass -------------------------------------------------------------------
-
-
-class _TrainOps:
-    """Dense kernels for training: the engine's linear / SiLU / RMSNorm, and causal attention
-    over each packed sequence on its own (GQA by repeating the KV heads).  With ``prefix`` >
-    0 the stream starts with a prefix shared by every sequence, computed once: each
-    sequence after it (``lengths``) attends to the prefix and causally to itself, exactly as
-    if the prefix were repeated in front of it."""
-
-    def __init__(self, lengths: Sequence[int], prefix: int = 0) -> None:
-        self.lengths = list(lengths)
-        self.prefix = prefix
-
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return F.linear(x, weight, bias)
-
-    def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
-        return F.silu(gate) * up
-
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return rms_norm(x, weight, eps)
-
-    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return apply_rope(x, cos, sin)  # torch ops: training needs their gradients
-
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        p = self.prefix
-        outs, at = [], p
-        if p:
-            outs.append(_causal(q[:p], k[:p], v[:p]))
-        for n in self.lengths:
-            if n == 0:
-                continue
-            if not p:
-                outs.append(_causal(q[at : at + n], k[at : at + n], v[at : at + n]))
-            else:
-                keys = torch.cat((k[:p], k[at : at + n]))
-                values = torch.cat((v[:p], v[at : at + n]))
-                # row a of this sequence sees the whole prefix and its own tokens 0..a
-                mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
-                mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-                o = F.scaled_dot_product_attention(
-                    q[at : at + n].transpose(0, 1),
-                    keys.transpose(0, 1),
-                    values.transpose(0, 1),
-                    attn_mask=mask,
-                )
-                outs.append(o.transpose(0, 1))
-            at += n
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-    )
-    return o.transpose(0, 1)
-
-
-#: shortest common prefix worth computing once for a micro-batch (tokens)
-MIN_SHARED_PREFIX = 16
-
-
-def common_prefix(batch: Batch, rows: Sequence[int]) -> int:
-    """Length of the token prefix that every row of ``rows`` shares (0 for fewer than 2)."""
-    if len(rows) < 2:
-        return 0
-    lengths = [int(batch.lengths[r]) for r in rows]
-    n = min(lengths)
-    first = batch.input_ids[rows[0], :n]
-    same = (batch.input_ids[list(rows), :n] == first).all(0)
-    diff = torch.nonzero(~same)
-    return int(diff[0]) if len(diff) else n
-
-
-def _micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Rows (in order, empty rows skipped) grouped so each group's tokens fit ``budget``; a
-    longer row is a group on its own."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for row, n in enumerate(lengths):
-        if n == 0:
-            continue
-        if current and used + n > budget:
-            groups.append(current)
-            current, used = [], 0
-        current.append(row)
-        used += n
-    if current:
-        groups.append(current)
-    return groups
 
 
 class GRPOTrainer:

@@ -84,7 +84,8 @@ async def check_token_parity_pause(
 
 _MIGRATE_SCRIPT = """
 import asyncio, sys, msgspec
-from agentroll.engine.engine import LLMEngine, EngineConfig, RequestSnapshot
+from agentroll.engine.engine import LLMEngine, EngineConfig
+from agentroll.engine.snapshot import RequestSnapshot
 from agentroll.backends.base import SamplingParams
 mode, model, snap_dir, out, device = sys.argv[1:6]
 e = LLMEngine(EngineConfig(model=model, batch_invariant=True, device=device))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from agentroll.backends.base import SamplingParams
-from agentroll.engine.engine import EngineConfig, LLMEngine, RequestSnapshot
+from agentroll.engine.engine import EngineConfig, LLMEngine
+from agentroll.engine.snapshot import RequestSnapshot
 from agentroll.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from agentroll.errors import SandboxError
 from agentroll.sandbox._channel import AgentChannel, capture_from
-from agentroll.sandbox.docker import _agent_source
+from agentroll.sandbox.docker_pool import _agent_source
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 

@@ -51,6 +51,7 @@ if _WHY is not None:
     pytestmark = [pytest.mark.docker, pytest.mark.skip(reason=_WHY)]
 else:
     from agentroll.sandbox import docker as dsb
+    from agentroll.sandbox import docker_daemon, docker_options, docker_pool
 
 
 def config(**options: Any) -> SandboxConfig:
@@ -61,8 +62,8 @@ def config(**options: Any) -> SandboxConfig:
 @pytest.fixture(autouse=True)
 async def no_leaks() -> AsyncIterator[None]:
     yield
-    await dsb.close_pools()
-    left = await asyncio.to_thread(dsb.list_containers, HOST, owner="self")
+    await docker_pool.close_pools()
+    left = await asyncio.to_thread(docker_daemon.list_containers, HOST, owner="self")
     assert left == [], f"containers left behind: {left}"
 
 
@@ -75,7 +76,8 @@ async def sb() -> AsyncIterator[Any]:
 
 
 def inspect(cid: str) -> dict[str, Any]:
-    return dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client.inspect_container(cid)  # type: ignore[no-any-return]
+    client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
+    return client.inspect_container(cid)  # type: ignore[no-any-return]
 
 
 async def test_container_has_the_safe_defaults(sb: Any) -> None:
@@ -186,7 +188,7 @@ async def test_a_hung_agent_is_timed_out_from_outside_and_the_sandbox_marked_bro
     reply = await sb._live().channel.request({"op": "ping"}, timeout=5)
     # The host stops the agent during a call (a command cannot: tests/security): only the
     # outside timeout can end the call.
-    client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+    client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
     stop = client.exec_create(sb.container_id, ["kill", "-STOP", str(reply["pid"])], user="0")
     call = asyncio.ensure_future(sb.exec("sleep 0.3", timeout=0.5))
     await asyncio.to_thread(client.exec_start, stop)
@@ -271,9 +273,9 @@ async def test_warm_pool_hands_out_healthy_containers_fast() -> None:
     cfg = config(pool_size=2)
     assert await dsb.prewarm(cfg) == 2
     # Kill one warm container behind the pool's back: the health check must skip it.
-    pool = next(iter(dsb._pools[asyncio.get_running_loop()].values()))
+    pool = next(iter(docker_pool._pools[asyncio.get_running_loop()].values()))
     victim = pool.warm[0].id
-    client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+    client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
     await asyncio.to_thread(client.kill, victim)
     await asyncio.sleep(0.3)
     sandbox = open_sandbox(cfg)
@@ -286,7 +288,7 @@ async def test_warm_pool_hands_out_healthy_containers_fast() -> None:
     await sandbox.close()
     assert took < 1.0
     # a fresh container per episode: the closed one is removed, not put back
-    assert cid not in await asyncio.to_thread(dsb.list_containers, HOST, owner="self")
+    assert cid not in await asyncio.to_thread(docker_daemon.list_containers, HOST, owner="self")
 
 
 async def test_reuse_only_after_a_verified_reset() -> None:
@@ -315,8 +317,8 @@ async def test_ttl_ends_a_container_and_the_reaper_removes_it() -> None:
     assert not state["Running"]
     with pytest.raises(SandboxError):
         await sandbox.exec("true")
-    assert await asyncio.to_thread(dsb.reap, HOST) >= 1
-    assert cid not in await asyncio.to_thread(dsb.list_containers, HOST)
+    assert await asyncio.to_thread(docker_daemon.reap, HOST) >= 1
+    assert cid not in await asyncio.to_thread(docker_daemon.list_containers, HOST)
     await sandbox.close()  # already gone: still fine
 
 
@@ -337,8 +339,8 @@ asyncio.run(main())
 
 _REAPER = """
 import sys
-from agentroll.sandbox import docker
-print(docker.reap(sys.argv[1]))
+from agentroll.sandbox import docker_daemon
+print(docker_daemon.reap(sys.argv[1]))
 """
 
 
@@ -357,10 +359,10 @@ async def test_containers_of_a_killed_worker_are_reaped_at_the_next_start(tmp_pa
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-    owner_prefix = f"{dsb._HOST}:{worker.pid}:"
+    owner_prefix = f"{docker_daemon._HOST}:{worker.pid}:"
 
     def theirs() -> list[str]:
-        client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+        client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
         found = client.containers(all=True, filters={"label": "agentroll.sandbox"})
         return [c["Id"] for c in found if c["Labels"]["agentroll.owner"].startswith(owner_prefix)]
 
@@ -386,8 +388,8 @@ async def test_sigterm_removes_the_containers_of_a_plain_script() -> None:
     assert line.strip() == "ready"
     worker.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(worker.wait, 30) == -signal.SIGTERM
-    owner_prefix = f"{dsb._HOST}:{worker.pid}:"
-    client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+    owner_prefix = f"{docker_daemon._HOST}:{worker.pid}:"
+    client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
     found = await asyncio.to_thread(
         client.containers, all=True, filters={"label": "agentroll.sandbox"}
     )

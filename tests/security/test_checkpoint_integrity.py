@@ -21,7 +21,7 @@ import torch
 from agentroll.backends.base import SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.engine.engine import RequestSnapshot
+from agentroll.engine.snapshot import RequestSnapshot
 from agentroll.env import Environment, EpisodeState, tool
 from agentroll.errors import CheckpointError, ConfigError
 from agentroll.rollout.builder import TrajectoryBuilder

@@ -50,7 +50,7 @@ def _daemon_answers() -> str | None:
 _WHY = _daemon_answers()
 needs_docker = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 if _WHY is None:
-    from agentroll.sandbox import docker as dsb
+    from agentroll.sandbox import docker_daemon, docker_options, docker_pool
 
 
 def config(**fields: Any) -> SandboxConfig:
@@ -66,8 +66,8 @@ async def sb() -> AsyncIterator[Any]:
         yield sandbox
     finally:
         await sandbox.close()
-        await dsb.close_pools()
-        left = await asyncio.to_thread(dsb.list_containers, HOST, owner="self")
+        await docker_pool.close_pools()
+        left = await asyncio.to_thread(docker_daemon.list_containers, HOST, owner="self")
         assert left == [], f"containers left behind: {left}"
 
 
@@ -187,7 +187,7 @@ async def test_docker_errors_surface_as_sandbox_errors(monkeypatch: pytest.Monke
     import requests.exceptions
 
     sandbox = open_sandbox(config())
-    client = dsb._daemon(dsb.DockerOptions(docker_host=HOST)).client
+    client = docker_daemon._daemon(docker_options.DockerOptions(docker_host=HOST)).client
 
     def gone(*args: object, **kwargs: object) -> None:
         raise requests.exceptions.ConnectionError("connection reset by the daemon")
@@ -202,9 +202,9 @@ async def test_docker_errors_surface_as_sandbox_errors(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(client, "containers", refused)
     with pytest.raises(SandboxError, match="listing containers failed"):
-        await asyncio.to_thread(dsb.list_containers, HOST)
+        await asyncio.to_thread(docker_daemon.list_containers, HOST)
     monkeypatch.undo()
-    await dsb.close_pools()
+    await docker_pool.close_pools()
 
 
 _SURVIVOR = """\
@@ -258,7 +258,7 @@ async def test_code_fix_reward_cannot_be_forged_by_an_earlier_tool_call() -> Non
         ) as engine:
             (traj,) = [t async for t in engine.run([task])]
     finally:
-        await dsb.close_pools()
+        await docker_pool.close_pools()
     assert traj.status == "ok", (traj.status, traj.error, traj.messages)
     assert "planted" in traj.turns[0].tool_results[0].content
     assert traj.reward == 0.0
@@ -292,13 +292,14 @@ def test_a_limit_the_container_does_not_show_is_named_in_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from agentroll.sandbox import docker as sandbox_docker
+    from agentroll.sandbox import docker_pool
 
     spec = sandbox_docker.DockerSandbox(config(pids=99)).spec
     mib = 1 << 20
     seen = {"pids": None, "memory": 256 * mib, "cpus": 1.0, "disk": 1024 * mib, "tmp": 1}
     with caplog.at_level("WARNING", logger="agentroll.sandbox"):
-        sandbox_docker._warn_unenforced(spec, seen)
-        sandbox_docker._warn_unenforced(spec, seen)  # once per spec and limit
+        docker_pool._warn_unenforced(spec, seen)
+        docker_pool._warn_unenforced(spec, seen)  # once per spec and limit
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2, warned
     assert "sandbox.pids = 99 processes is not enforced" in warned[0]

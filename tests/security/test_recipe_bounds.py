@@ -29,7 +29,7 @@ from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.run.recipe import Recipe, parse_recipe
 from agentroll.run.worker import STOP_GRACE
 from agentroll.sandbox.base import SandboxConfig
-from agentroll.sandbox.docker import DockerOptions
+from agentroll.sandbox.docker_options import DockerOptions
 from agentroll.types import Message, Task, Trajectory
 
 DOCKER = '[sandbox]\nbackend = "docker"\noptions = '
@@ -184,7 +184,7 @@ def test_the_ends_of_each_range_are_accepted(text: str) -> None:
 def test_nested_struct_errors_become_field_messages(tmp_path: Path) -> None:
     """A check of SandboxConfig (the environment's own limits with the recipe's) is a
     ConfigError naming the section, not a ValueError out of ``__post_init__``."""
-    from agentroll.run.service import build_environment
+    from agentroll.run.build import build_environment
 
     class StrictConfig(SandboxConfig, frozen=True):
         def __post_init__(self) -> None:

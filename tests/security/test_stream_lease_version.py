@@ -26,7 +26,8 @@ from agentroll.stream import (
     TrajectoryStream,
     serve_stream,
 )
-from agentroll.stream.spool import SpoolConfig, read_dropped
+from agentroll.stream.dropped import read_dropped
+from agentroll.stream.spool_config import SpoolConfig
 from agentroll.types import Trajectory, encode_msgpack
 from agentroll.weights.update import TensorUpdate, WeightUpdate
 

@@ -22,7 +22,8 @@ from agentroll.bench.stream import synthetic_trajectory
 from agentroll.errors import ConfigError
 from agentroll.rollout.buffer import BufferConfig
 from agentroll.stream import StreamClient, StreamConfig, TrajectoryStream, serve_stream
-from agentroll.stream.http import HTTPConfig, nofile_plan
+from agentroll.stream.connections import nofile_plan
+from agentroll.stream.http import HTTPConfig
 
 TOKEN = "slowloris-token"
 PARTIAL = b"POST /v1/ack HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"  # head never ends
@@ -147,12 +148,12 @@ def test_the_cap_stays_below_the_descriptor_limit() -> None:
 async def test_serve_lowers_the_cap_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import agentroll.stream.http as http
+    import agentroll.stream.connections as connections
 
     set_to: list[tuple[int, int]] = []
-    monkeypatch.setattr(http.resource, "getrlimit", lambda _: (600, 600))
-    monkeypatch.setattr(http.resource, "setrlimit", lambda _, limits: set_to.append(limits))
+    monkeypatch.setattr(connections.resource, "getrlimit", lambda _: (600, 600))
+    monkeypatch.setattr(connections.resource, "setrlimit", lambda _, limits: set_to.append(limits))
     with caplog.at_level(logging.WARNING, "agentroll.stream.http"):
-        fitted = http._fit_nofile(HTTPConfig(), "trajectories")
+        fitted = connections._fit_nofile(HTTPConfig(), "trajectories")
     assert (fitted.max_connections, fitted.max_connections_per_client) == (29, 29)
     assert set_to == [] and "at most 29 connections" in caplog.text

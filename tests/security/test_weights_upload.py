@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from agentroll.errors import WeightSyncError
+from agentroll.stream.api import serve_stream
 from agentroll.stream.client import StreamClient
-from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
+from agentroll.stream.server import StreamConfig, TrajectoryStream
 from agentroll.weights.apply import WeightStore
 from agentroll.weights.exporter import WeightExporter
 from agentroll.weights.http import HttpTransport, serve_weights
@@ -301,8 +302,9 @@ max_num_seqs = 4
 async def test_the_worker_judges_uploads_by_its_fleet_and_model(
     tiny_model: Path, tmp_path: Path
 ) -> None:
+    from agentroll.run.build import build_backend, local_weight_layout
     from agentroll.run.recipe import parse_recipe
-    from agentroll.run.service import RolloutService, build_backend, local_weight_layout
+    from agentroll.run.service import RolloutService
     from agentroll.testing import SyntheticTrainer
 
     recipe = parse_recipe(RECIPE)

@@ -19,8 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentroll.bench.stream import synthetic_trajectory
-from agentroll.stream.client import FastTransport, LeaseBatch, decode_lease
-from agentroll.stream.spool import Spool, SpoolConfig
+from agentroll.stream.spool import Spool
+from agentroll.stream.spool_config import SpoolConfig
+from agentroll.stream.transport import FastTransport
+from agentroll.stream.wire import LeaseBatch, decode_lease
 from agentroll.types import (
     TOKEN_ARRAY_DTYPES,
     Trajectory,
@@ -280,7 +282,7 @@ def test_acked_segments_stay_until_collect_and_nothing_is_lost(tmp_path: Path) -
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
 def test_hand_framed_lease_body_equals_msgspec_encoding(n: int) -> None:
-    from agentroll.stream.server import _msgpack_array_header, _RawLeaseBatch
+    from agentroll.stream.api import _msgpack_array_header, _RawLeaseBatch
 
     items = [msgspec.msgpack.encode(i) for i in range(n)]
     head = {"lease_id": "L", "expires_at": 1.5, "ttl": 2.0, "trainer_version": 3}
@@ -294,7 +296,7 @@ def test_hand_framed_lease_body_equals_msgspec_encoding(n: int) -> None:
 async def test_a_received_body_is_not_kept_by_the_response() -> None:
     """httpx's response and its stream refer to each other (a cycle): the body handed out
     must not stay reachable from them, or every lease's buffer lives until the cyclic GC."""
-    from agentroll.stream.client import _Body
+    from agentroll.stream.transport import _Body
 
     body = _Body(bytearray(b"abc"))
     parts = [part async for part in body]

@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentroll.errors import ConfigError
-from agentroll.stream.spool import ACK_LOG, Spool, SpoolConfig, encode_record
+from agentroll.stream.segment import encode_record
+from agentroll.stream.spool import ACK_LOG, Spool
+from agentroll.stream.spool_config import SpoolConfig
 from agentroll.types import Trajectory, decode_msgpack, encode_msgpack
 
 
@@ -401,7 +403,7 @@ def test_random_crashes_lose_nothing_durable(
 def test_segments_are_preallocated_yet_hold_exactly_their_records(tmp_path: Path) -> None:
     """A new segment reserves ``segment_bytes`` of disk (fallocate KEEP_SIZE, Linux) without
     growing: its size is what was written, so a reopen finds no torn tail."""
-    from agentroll.stream import spool as spool_module
+    from agentroll.stream import segment as segment_module
 
     config = SpoolConfig(segment_bytes=1 << 20)
     with Spool(tmp_path, config) as spool:
@@ -410,7 +412,7 @@ def test_segments_are_preallocated_yet_hold_exactly_their_records(tmp_path: Path
         (segment,) = segments(tmp_path)
         stat = segment.stat()
         assert stat.st_size == spool.statistics().bytes
-        if spool_module._fallocate is not None:  # Linux
+        if segment_module._fallocate is not None:  # Linux
             assert stat.st_blocks * 512 >= 1 << 20  # reserved (tmpfs and ext4 both do)
     with Spool(tmp_path, config) as spool:
         assert spool.statistics().torn_bytes_dropped == 0
@@ -501,7 +503,7 @@ def test_a_file_still_being_read_is_deleted_not_reused(tmp_path: Path) -> None:
 
 
 def test_drop_copies_then_acknowledges_and_survives_reopen(tmp_path: Path) -> None:
-    from agentroll.stream.spool import DROPPED_DIR, read_dropped
+    from agentroll.stream.dropped import DROPPED_DIR, read_dropped
 
     sent = [traj(i) for i in range(4)]
     with Spool(tmp_path) as spool:
@@ -526,7 +528,7 @@ def test_drop_copies_then_acknowledges_and_survives_reopen(tmp_path: Path) -> No
 
 
 def test_a_torn_tail_of_the_open_dropped_file_is_cut_at_open(tmp_path: Path) -> None:
-    from agentroll.stream.spool import DROPPED_DIR, read_dropped
+    from agentroll.stream.dropped import DROPPED_DIR, read_dropped
 
     with Spool(tmp_path) as spool:
         spool.append_many([traj(0), traj(1)])
@@ -542,7 +544,7 @@ def test_a_torn_tail_of_the_open_dropped_file_is_cut_at_open(tmp_path: Path) -> 
 
 
 def test_dropped_retention_by_bytes_and_keeping_none(tmp_path: Path) -> None:
-    from agentroll.stream.spool import read_dropped
+    from agentroll.stream.dropped import read_dropped
 
     size = len(encode_msgpack(traj(0)))
     cfg = SpoolConfig(dropped_max_bytes=8 * (size + 64))  # files roll at one record each

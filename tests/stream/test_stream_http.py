@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from agentroll.errors import ConfigError
+from agentroll.stream.connections import _bulk_sndbuf, sndbuf_choice
 from agentroll.stream.http import (
     App,
     FileRange,
@@ -21,9 +22,7 @@ from agentroll.stream.http import (
     HTTPError,
     Request,
     Response,
-    _bulk_sndbuf,
     serve,
-    sndbuf_choice,
 )
 
 

@@ -25,7 +25,7 @@ from agentroll.trainer import (
     kv_lag_terms,
     ppo_objective,
 )
-from agentroll.trainer.grpo import common_prefix
+from agentroll.trainer.packing import common_prefix
 from agentroll.types import Trajectory, decode_msgpack, encode_msgpack
 from agentroll.weights.apply import WeightStore
 
