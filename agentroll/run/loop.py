@@ -69,7 +69,7 @@ async def demonstrations(recipe: Recipe, model_dir: Path) -> list[Trajectory]:
     from agentroll.backends.mock import MockBackend
     from agentroll.chat import ChatTokenizer
     from agentroll.rollout.engine import RolloutConfig, RolloutEngine
-    from agentroll.run.service import build_environment
+    from agentroll.run.build import build_environment
 
     expert = load_expert(recipe.warmup.expert)
     tok = ChatTokenizer.from_pretrained(model_dir)

@@ -21,17 +21,15 @@ import asyncio
 import json
 import logging
 import os
-import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from agentroll.backends.base import Backend, ResumePolicy, SamplingParams
-from agentroll.env import Environment, load_environment
+from agentroll.backends.base import ResumePolicy
 from agentroll.errors import ConfigError
 from agentroll.rollout.admission import AdmissionController
 from agentroll.rollout.buffer import BufferConfig
@@ -45,159 +43,28 @@ from agentroll.rollout.checkpoint import (
     save_jobs,
     scan_checkpoints,
 )
-from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.rollout.engine import RolloutEngine
+from agentroll.run.build import (
+    build_backend,
+    build_environment,
+    cycle_tasks,
+    local_weight_layout,
+    rollout_config,
+)
 from agentroll.run.metrics import MetricsWriter
 from agentroll.run.recipe import Recipe
-from agentroll.sandbox.base import SandboxConfig
+from agentroll.stream.api import serve_stream
 from agentroll.stream.auth import TOKEN_FILE, check_token, ensure_token
-from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
-from agentroll.stream.spool import SpoolConfig
+from agentroll.stream.server import StreamConfig, TrajectoryStream
+from agentroll.stream.spool_config import SpoolConfig
 from agentroll.types import Task, Trajectory
-from agentroll.weights.apply import WeightLayout, check_base
+from agentroll.weights.apply import check_base
 from agentroll.weights.transport import UpdateHeader
 from agentroll.weights.update import WeightUpdate
 
 logger = logging.getLogger("agentroll.run.service")
 FINISHED = "finished.msgpack"  # finished members of unfinished groups, saved at a stop
 UNSTARTED = "unstarted.msgpack"  # samples of started groups with no episode, saved at a stop
-
-
-def build_environment(recipe: Recipe, **overrides: Any) -> Environment:
-    """The recipe's environment (its ``kwargs`` updated by ``overrides``), with the recipe's
-    sandbox settings applied."""
-    kwargs = {**recipe.environment.kwargs, **overrides}
-    env = load_environment(recipe.environment.name, **kwargs)
-    sb = recipe.sandbox
-    try:  # the recipe's values with the environment's own: SandboxConfig checks them together
-        if env.sandbox_config is not None:
-            changes: dict[str, Any] = {"backend": sb.backend}
-            if sb.timeout is not None:
-                changes["timeout"] = sb.timeout
-            if sb.image is not None:
-                changes["image"] = sb.image
-            if sb.memory_mb is not None:
-                changes["memory_mb"] = sb.memory_mb
-            if sb.options:
-                changes["options"] = dict(sb.options)
-            config: SandboxConfig | None = msgspec.structs.replace(env.sandbox_config, **changes)
-        elif sb.backend != "local" or sb.image is not None:
-            config = SandboxConfig(
-                backend=sb.backend,
-                image=sb.image,
-                memory_mb=sb.memory_mb or SandboxConfig().memory_mb,
-                options=dict(sb.options),
-            )
-        else:
-            return env
-    except ValueError as exc:
-        raise ConfigError(
-            f"[sandbox] with environment {recipe.environment.name!r}'s own limits: {exc}"
-        ) from exc
-    # a per-instance override of the class-level default
-    object.__setattr__(env, "sandbox_config", config)
-    return env
-
-
-def local_weight_layout(backend: Backend) -> WeightLayout | None:
-    """The layout of the weights of a built-in engine in this process behind ``backend``
-    (a fleet's replicas share one), or None when none is (vLLM, remote replicas)."""
-    from agentroll.backends.torch import TorchBackend
-    from agentroll.fleet.backend import FleetBackend
-    from agentroll.fleet.replica import LocalReplica
-
-    engines = [backend]
-    if isinstance(backend, FleetBackend):
-        engines = [r.backend for r in backend.replicas.values() if isinstance(r, LocalReplica)]
-    for engine in engines:
-        if isinstance(engine, TorchBackend) and engine.engine is not None:
-            return engine.engine.weight_store().layout()
-    return None
-
-
-def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
-    """A ``FleetBackend`` of ``backend.replicas`` engines of ``backend.kind`` on
-    ``model_dir`` (built-in engines, vLLM in-process, or vLLM servers at ``backend.urls``)."""
-    from agentroll.fleet.backend import FleetBackend
-    from agentroll.fleet.replica import LocalReplica
-
-    b = recipe.backend
-    engines: list[Backend]
-    if b.kind == "torch":
-        from agentroll.backends.torch import TorchBackend
-
-        engines = [
-            TorchBackend(
-                str(model_dir),
-                dtype=b.dtype,
-                kv_cache_mb=b.kv_cache_mb,
-                max_num_seqs=b.max_num_seqs,
-                max_num_batched_tokens=b.prefill_budget,
-            )
-            for _ in range(b.replicas)
-        ]
-    elif b.kind == "vllm":
-        from agentroll.backends.vllm import VLLMBackend
-
-        engines = [
-            VLLMBackend(
-                model_dir,
-                dtype=b.dtype,
-                max_num_seqs=b.max_num_seqs,
-                kv_cache_gib=max(1.0, b.kv_cache_mb / 1024),
-                seed=recipe.run.seed + i,
-                transfer=b.weight_transfer,
-                transfer_device=b.transfer_devices[i] if b.transfer_devices else "cuda:1",
-                verify_served=b.verify_served,
-                probe_tokens=b.probe_tokens,
-            )
-            for i in range(b.replicas)
-        ]
-    elif b.kind == "http":
-        from agentroll.backends.vllm_server import HTTPBackend
-
-        engines = [
-            HTTPBackend(
-                url,
-                model_dir=model_dir,
-                dtype=b.dtype,
-                verify_served=b.verify_served,
-                probe_tokens=b.probe_tokens,
-            )
-            for url in b.urls
-        ]
-    else:
-        raise ConfigError(
-            f"backend.kind {b.kind!r} cannot serve a recipe worker; use torch, vllm or http"
-        )
-    replicas = [LocalReplica(e, name=f"replica-{i}") for i, e in enumerate(engines)]
-    return FleetBackend(replicas, strategy=recipe.sync.strategy, capacity=b.max_num_seqs)
-
-
-def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
-    s, r = recipe.sampling, recipe.rollout
-    return RolloutConfig(
-        concurrency=r.concurrency,
-        samples_per_task=r.samples_per_task,
-        sampling=SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens
-        ),
-        seed=recipe.run.seed if seed is None else seed,
-        tool_timeout=r.tool_timeout,
-        episode_timeout=r.episode_timeout,
-        progress="off",
-    )
-
-
-def cycle_tasks(tasks: list[Task], seed: int) -> Iterator[Task]:
-    """The tasks again and again, each epoch in its own seeded order."""
-    if not tasks:
-        raise ConfigError("the environment has no tasks")
-    epoch = 0
-    while True:
-        order = list(tasks)
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        yield from order
-        epoch += 1
 
 
 class _NotingStream(TrajectoryStream):
@@ -277,7 +144,6 @@ class RolloutService:
         )
         self.backend: Any = None
         self.stream: TrajectoryStream | None = None
-        self._groups: dict[str, list[Trajectory]] = {}
         self._admitted = 0
         self._known_version = 0
         self._consumed_at_known = 0
@@ -425,16 +291,12 @@ class RolloutService:
                 self.metrics.span_at("rollout.idle", t_last + busy, now, component=name)
             last, t_last = now_busy, now
 
-    async def _publish(self, traj: Trajectory) -> None:
+    async def _publish(self, group: list[Trajectory]) -> None:
+        """Publish a whole group (the engine assembled it) and retire what it continued."""
         assert self.stream is not None
-        if traj.finished_at > traj.started_at:
-            self.admission.observe_episode(traj.finished_at - traj.started_at)
-        group = self._groups.setdefault(traj.group_id, [])
-        group.append(traj)
-        if len(group) < self.recipe.rollout.samples_per_task:
-            return
-        del self._groups[traj.group_id]
-        group.sort(key=lambda t: t.sample_index)
+        for traj in group:
+            if traj.finished_at > traj.started_at:
+                self.admission.observe_episode(traj.finished_at - traj.started_at)
         await self.stream.publish(group)
         done = [t.id for t in group if t.id in self._continued]
         if done:  # a continued episode's checkpoint is done with once it is durable
@@ -442,8 +304,9 @@ class RolloutService:
             # shielded: a stop that cancels this publisher leaves no published episode's
             # checkpoint behind (the next start would continue it a second time)
             await asyncio.shield(asyncio.to_thread(self._remove_checkpoints, done))
-        if traj.group_id in self._stop_groups:
-            self._stop_groups.discard(traj.group_id)
+        group_id = group[0].group_id
+        if group_id in self._stop_groups:
+            self._stop_groups.discard(group_id)
             if not self._stop_groups:  # every group the last stop saved is durable
                 await asyncio.shield(asyncio.to_thread(self._remove_stop_files))
 
@@ -549,18 +412,18 @@ class RolloutService:
         (members of unfinished groups, and ones the engine still held because the producer
         was busy publishing) to ``FINISHED``; samples of started groups with neither
         (no worker was free for them yet) to ``UNSTARTED``."""
-        await engine.pause()
-        paths = await engine.checkpoint(self.checkpoint_dir)
-        # leaving the loop over engine.run: what it had not yielded is taken back below (a
-        # group being published when cancelled is in the spool already)
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-        pending = [t for g in self._groups.values() for t in g] + engine.take_undelivered()
-        jobs = engine.take_unstarted()
+
+        async def leave() -> None:  # a group being published when cancelled is spooled
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+        saved = await engine.stop(self.checkpoint_dir, leave=leave)
+        pending = saved.undelivered  # finished members of groups not yet whole, too
+        jobs = saved.unstarted
         # what the last stop saved and is not published yet is among these again (the
         # engine held it): the files are replaced
         await asyncio.to_thread(self._save_stopped, pending, jobs)
-        return len(paths)
+        return len(saved.checkpoints)
 
     def _save_stopped(self, pending: list[Trajectory], jobs: list[EpisodeJob]) -> None:
         """Write (or remove) UNSTARTED and FINISHED, each replaced atomically."""
@@ -620,14 +483,14 @@ class RolloutService:
                 sampler = asyncio.create_task(self._sample_busy())
 
                 async def produce() -> None:
-                    async for traj in engine.run(
+                    async for group in engine.run_groups(
                         cycle_tasks(tasks, recipe.run.seed),
                         checkpoints=checkpoints,
                         finished=stopped,
                         unstarted=unstarted,
                         admit=self._admit,
                     ):
-                        await self._publish(traj)
+                        await self._publish(group)
 
                 producer = asyncio.create_task(produce())
                 stopper = asyncio.create_task(stop.wait())

@@ -18,7 +18,7 @@ import shutil
 import signal
 import struct
 import threading
-from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -276,6 +276,25 @@ def _plan(
     return todo, fresh, restarts, sum(t.id in done_tasks for t in tasks), len(corrupt)
 
 
+async def _write_all(
+    run: AsyncIterator[Trajectory],
+    writer: TrajectoryWriter,
+    result: WorkerResult,
+    resumed_paths: dict[str, Path],
+    written: asyncio.Event,
+) -> None:
+    """Append what ``run`` yields to the output; a continued episode's checkpoint goes once
+    its trajectory is on disk."""
+    async with contextlib.aclosing(cast(AsyncGenerator[Trajectory, None], run)) as trajs:
+        async for traj in trajs:
+            await asyncio.to_thread(writer.write, traj)
+            result.written += 1
+            written.set()
+            path = resumed_paths.pop(traj.id, None)
+            if path is not None:
+                await asyncio.to_thread(shutil.rmtree, path, True)
+
+
 async def run_worker(
     env: Environment,
     backend: Backend,
@@ -333,39 +352,29 @@ async def run_worker(
     try:
         signals.enter_context(stop_on_signals(stop, stop_signals, grace=stop_grace))
         async with backend, RolloutEngine(backend, env, cfg, tokenizer=tokenizer) as engine:
-
-            async def consume() -> None:
-                run = cast(
-                    AsyncGenerator[Trajectory, None],
-                    engine.run(todo, checkpoints=fresh, unstarted=restarts),
-                )
-                async with contextlib.aclosing(run) as trajs:
-                    async for traj in trajs:
-                        await asyncio.to_thread(writer.write, traj)
-                        result.written += 1
-                        written.set()
-                        path = resumed_paths.pop(traj.id, None)
-                        if path is not None:  # on disk as a trajectory: the checkpoint is done
-                            await asyncio.to_thread(shutil.rmtree, path, True)
-
-            consumer = asyncio.create_task(consume())
+            run = engine.run(todo, checkpoints=fresh, unstarted=restarts)
+            consumer = asyncio.create_task(_write_all(run, writer, result, resumed_paths, written))
             stopper = asyncio.create_task(stop.wait())
             try:
                 await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
                 if not consumer.done():
                     logger.info("worker: stopping; checkpointing in-flight episodes")
-                    await engine.pause()
-                    paths = await engine.checkpoint(
-                        cp_dir, with_kv=with_kv, timeout=checkpoint_timeout
+
+                    async def leave() -> None:
+                        # episodes that finished while the engine quiesced are written too
+                        async with asyncio.timeout(checkpoint_timeout):
+                            while result.written < engine.stats["episodes"] and not consumer.done():
+                                written.clear()
+                                await written.wait()
+                        consumer.cancel()
+                        await asyncio.wait({consumer})
+
+                    saved = await engine.stop(
+                        cp_dir, leave=leave, with_kv=with_kv, timeout=checkpoint_timeout
                     )
-                    result.checkpointed, result.stopped = len(paths), True
-                    # episodes that finished while the engine quiesced are written too
-                    async with asyncio.timeout(checkpoint_timeout):
-                        while result.written < engine.stats["episodes"] and not consumer.done():
-                            written.clear()
-                            await written.wait()
-                    consumer.cancel()
-                    await asyncio.wait({consumer})
+                    # one sample per task: a task neither written nor checkpointed runs
+                    # again from the task list at the next start (see _plan)
+                    result.checkpointed, result.stopped = len(saved.checkpoints), True
                 else:
                     consumer.result()  # an engine error surfaces here
             finally:

@@ -15,11 +15,11 @@ import msgspec
 import pytest
 import torch
 
-import agentroll.rollout.engine as rollout_module
+import agentroll.rollout.episode_loop as rollout_module
 from agentroll.backends.base import GenerationChunk, GenerationRequest, SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.engine.engine import RequestSnapshot
+from agentroll.engine.snapshot import RequestSnapshot
 from agentroll.env import Environment, Rubric, tool
 from agentroll.errors import CheckpointError
 from agentroll.rollout.builder import TrajectoryBuilder

@@ -303,7 +303,7 @@ async def test_cancellation_propagates_and_closes_sandboxes(
 ) -> None:
     boxes: list[SlowClosing] = []
     monkeypatch.setattr(
-        "agentroll.rollout.engine.open_sandbox",
+        "agentroll.rollout.episode_loop.open_sandbox",
         lambda cfg, **kw: boxes.append(SlowClosing()) or boxes[-1],
     )
 
@@ -728,3 +728,73 @@ async def test_the_reply_an_episode_ends_on_is_in_messages_not_in_tokens(
     assert t.loss_mask.tolist() == mask.tolist()
     assert t.turns[1].env_end == t.turns[1].gen_end == len(expected)
     assert tail[1] not in tok.decode(expected[len(second.prompt_ids) :])
+
+
+async def test_run_groups_yields_each_group_whole_and_stop_hands_back_the_rest(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """Without group rewards too, ``run_groups`` yields a group only once all its samples
+    finished, by sample index; at a stop, finished members of groups not yet whole come
+    back in ``stop``'s ``undelivered`` (none is yielded and none is lost)."""
+    cfg = RolloutConfig(progress="off", samples_per_task=2, concurrency=8)
+    ts = [Task(id=f"t{i}", data={"prompt": "q"}, answer="42") for i in range(3)]
+    backend = MockBackend(lambda r: "42", tokenizer=tok)
+    async with backend, RolloutEngine(backend, Calc(), cfg, tokenizer=tok) as engine:
+        groups = [g async for g in engine.run_groups(ts)]
+    assert len(groups) == 3
+    for g in groups:
+        assert [t.sample_index for t in g] == [0, 1] and len({t.group_id for t in g}) == 1
+
+    class SecondSampleHangs(MockBackend):
+        engine: RolloutEngine
+
+        async def generate(self, request: GenerationRequest) -> Any:  # type: ignore[override]
+            run = self.engine._live.get(request.episode_id)
+            if run is not None and run.state.sample_index == 1:
+                await asyncio.Event().wait()  # in generation until the stop
+            async for chunk in super().generate(request):
+                yield chunk
+
+    backend = SecondSampleHangs(lambda r: "42", tokenizer=tok)
+    async with backend, RolloutEngine(backend, Calc(), cfg, tokenizer=tok) as engine:
+        backend.engine = engine
+        seen: list[list[Trajectory]] = []
+        first_samples_done = asyncio.Event()
+
+        async def consume() -> None:
+            async for g in engine.run_groups(ts):
+                seen.append(g)
+
+        async def watch() -> None:
+            while engine.stats["episodes"] < 3:  # noqa: ASYNC110 - a counter, not an event
+                await asyncio.sleep(0.01)
+            first_samples_done.set()
+
+        consumer = asyncio.create_task(consume())
+        async with asyncio.timeout(30):
+            await watch()
+        await first_samples_done.wait()
+
+        async def leave() -> None:
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+
+        saved = await engine.stop(tmp_path / "cp", leave=leave)
+    assert seen == []
+    assert sorted(t.sample_index for t in saved.undelivered) == [0, 0, 0]
+    assert len(saved.checkpoints) == 3 and saved.unstarted == []
+
+    # the next start: each first sample waits for its continued second one; and groups a
+    # stop took back whole (all members finished) are delivered at once
+    from agentroll.rollout.checkpoint import load_checkpoints
+
+    backend = MockBackend(lambda r: "42", tokenizer=tok)
+    async with backend, RolloutEngine(backend, Calc(), cfg, tokenizer=tok) as engine:
+        cps = load_checkpoints(tmp_path / "cp")
+        again = [
+            g async for g in engine.run_groups([], checkpoints=cps, finished=saved.undelivered)
+        ]
+        whole = [t for g in groups for t in g]
+        at_once = [g async for g in engine.run_groups([], finished=whole)]
+    assert sorted((len(g), len({t.group_id for t in g})) for g in again) == [(2, 1)] * 3
+    assert [[t.id for t in g] for g in at_once] == [[t.id for t in g] for g in groups]

@@ -100,7 +100,7 @@ def test_run_dir_records_the_run(tmp_path: Path) -> None:
 
 
 def test_docker_sandbox_settings_reach_the_environment() -> None:
-    from agentroll.run.service import build_environment
+    from agentroll.run.build import build_environment
 
     recipe = parse_recipe(
         '[sandbox]\nbackend = "docker"\nmemory_mb = 512\n'
@@ -130,7 +130,7 @@ def test_sandbox_option_errors_name_the_field(text: str, field: str) -> None:
 def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
     from agentroll.backends.vllm import VLLMBackend
     from agentroll.backends.vllm_server import VLLMServerBackend
-    from agentroll.run.service import build_backend
+    from agentroll.run.build import build_backend
 
     fleet: Any = build_backend(parse_recipe('[backend]\nkind = "vllm"\nreplicas = 2\n'), tmp_path)
     assert [type(r.backend) for r in fleet.replicas.values()] == [VLLMBackend, VLLMBackend]

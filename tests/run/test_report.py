@@ -13,16 +13,14 @@ import pytest
 
 from agentroll.errors import ConfigError
 from agentroll.run.metrics import MetricsWriter, read_trace
+from agentroll.run.plots import TimelineLane, timeline_lanes, write_plots
 from agentroll.run.report import (
     Report,
-    TimelineLane,
     advice,
     build_report,
     main_report,
     render_table,
     reward_fifths,
-    timeline_lanes,
-    write_plots,
 )
 
 T0 = 1_000.0
