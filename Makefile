@@ -6,7 +6,7 @@ STAMP := $(VENV)/.agentroll-installed
 VLLM_STAMP := $(VENV)/.agentroll-vllm-installed
 PYTEST_FAST := -m "not slow and not docker and not vllm and not ray"
 
-.PHONY: demo test test-fast lint services venv clean
+.PHONY: demo test test-fast lint docs services venv clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,10 @@ test: $(STAMP) $(VLLM_STAMP) services lint
 	$(BIN)/python -m agentroll.engine.kernels
 	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm,kernels AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
 		$(BIN)/pytest -q -ra
+
+# The documentation site (mkdocs-material + mkdocstrings) into site/; strict: a warning fails.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -d site
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -x $(PYTEST_FAST)

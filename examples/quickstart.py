@@ -17,12 +17,15 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from agentroll.backends.base import GenerationRequest
-from agentroll.backends.mock import MockBackend
-from agentroll.env import load_environment
-from agentroll.rollout import RolloutConfig, RolloutEngine
-from agentroll.tokenizer import tiny_chat_tokenizer
-from agentroll.types import Trajectory
+from agentroll import (
+    GenerationRequest,
+    MockBackend,
+    RolloutConfig,
+    RolloutEngine,
+    Trajectory,
+    load_environment,
+)
+from agentroll.model.tokenizer import tiny_chat_tokenizer  # the project-made tokenizer
 
 NUM_TASKS = 32
 SAMPLES_PER_TASK = 2

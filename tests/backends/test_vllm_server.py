@@ -100,7 +100,9 @@ async def test_5xx_and_connection_errors_are_retried_then_succeed() -> None:
 
 async def test_a_server_that_keeps_failing_fails_the_call_with_a_clear_error() -> None:
     transport, _ = mock([500])
-    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01, retries=2) as b:
+    async with VLLMServerBackend(
+        "http://server", transport=transport, backoff=0.01, retries=2
+    ) as b:
         with pytest.raises(BackendError, match=r"failed 3 times in a row; last error: HTTP 500"):
             await run(b, request("r"))
 
@@ -146,7 +148,9 @@ async def test_a_server_sending_garbage_fails_the_call_not_the_trajectory(event:
     """Events that are not what the completions API sends are retried, then a BackendError;
     no token of them is delivered."""
     transport, _ = mock([f"data: {json.dumps(event)}\n\n".encode()])
-    async with VLLMServerBackend("http://server", transport=transport, backoff=0.01, retries=1) as b:
+    async with VLLMServerBackend(
+        "http://server", transport=transport, backoff=0.01, retries=1
+    ) as b:
         with pytest.raises(BackendError, match="failed 2 times in a row"):
             await run(b, request("r"))
 
