@@ -1,24 +1,26 @@
-"""Benchmarks, run as ``agentroll bench NAME``; each prints one ``key=value`` result line.
+"""``agentroll bench overhead``: the rollout engine's own cost per tool turn, no baseline.
 
-``overhead``: the engine's own cost per tool turn.  N episodes of T tool turns against a
-zero-latency MockBackend and a no-op in-process tool, on the real token path (prompt
-rendered with the chat template, sampled ids appended, tool results rendered incrementally,
-masks and versions filled).  Every episode's prompt and tool results differ, so nothing is
-served from a cache that a real run would miss.
+N episodes of T tool turns against a zero-latency MockBackend and a no-op in-process tool,
+on the real token path (chat template, sampled ids appended, tool results rendered
+incrementally, masks and versions filled); every prompt and tool result differs, so no
+cache serves what a real run would miss.  No ratio, so nothing is paired.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import resource
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
 from agentroll.env import Environment
+from agentroll.errors import ConfigError
 from agentroll.model.tokenizer import tiny_chat_tokenizer
 from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.tool import tool
@@ -100,8 +102,34 @@ async def overhead(episodes: int, turns: int, concurrency: int) -> dict[str, flo
     }
 
 
-def main_overhead(episodes: int, turns: int, concurrency: int) -> None:
-    r = asyncio.run(overhead(episodes, turns, concurrency))
+# -- command line --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadBenchConfig:
+    """The options of ``agentroll bench overhead``; every count is at least 1."""
+
+    episodes: int
+    turns: int
+    concurrency: int
+
+    def __post_init__(self) -> None:
+        for name in ("episodes", "turns", "concurrency"):
+            if (value := getattr(self, name)) < 1:
+                raise ConfigError(f"--{name} must be >= 1 (got {value}); pass a positive count")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=4, help="tool turns per episode")
+    parser.add_argument("--concurrency", type=int, default=256)
+
+
+def main(args: argparse.Namespace) -> int:
+    """CLI entry: run the bench and print its result line."""
+    config = OverheadBenchConfig(args.episodes, args.turns, args.concurrency)
+    r = asyncio.run(overhead(config.episodes, config.turns, config.concurrency))
     print(
         f"turns_per_s={r['turns_per_s']:.1f} peak_rss_mb={r['peak_rss_mb']:.1f} episodes={int(r['episodes'])}"
     )
+    return 0

@@ -1,29 +1,14 @@
-"""``agentroll bench stream``: end-to-end trajectory streaming throughput against its limits.
+"""``agentroll bench stream``: end-to-end trajectory streaming MB/s against its limits.
 
-A worker process (``TrajectoryStream`` with a real spool, served on 127.0.0.1) publishes
-groups from concurrent publishers (spool fsync, group commit); this process consumes them
-with a ``StreamClient`` (lease, decode, ack).  The consumer is a trainer's: it decodes what
-a trainer uses (``conversation=False``: token arrays, reward, ids and the rest, not the
-turns and messages, which still travel in every body and are stepped over).
-``mb_per_s`` counts the msgpack bytes of the trajectories delivered per second from the
-first publish to the last ack (the trajectory objects are built before the clock starts:
-the episodes' work, not the stream's); ``json_mb_per_s`` the same (msgpack bytes) with JSON
-bodies; ``full_decode_mb_per_s`` the same with a consumer that decodes the whole
-trajectory, turns and messages too (``conversation=True``, the client's default).  The
-limits are measured on the same bytes: a plain 127.0.0.1 socket copy and a sequential
-write + fsync on the spool's filesystem; ``limit = min`` of the two.  The msgpack streams
-run ``repeats`` times (default 3), each repeat right after its own limit measurements and
-with the two consumers in alternating order, and every figure is the median over the
-repeats (``runs=`` in the line), as timings on shared machines drift and jump; the JSON
-stream runs once.  ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU seconds (user +
-system) each process used during the median run of ``mb_per_s``, next to its wall time
-``seconds``: on a machine with few cores they show when the processes themselves, not the
-disk or the loopback, are what limits the stream.  Every run checks delivered ==
-published, each id exactly once, and an empty spool at the end.
+A worker process publishes into a real spool served on 127.0.0.1 and this process consumes
+as a trainer does (A), against the limits (B: a loopback socket copy and a write + fsync of
+the same bytes), in ``--pairs`` alternating pairs.  The main ratio is ``mb_per_s /
+limit_mb_per_s`` per pair: ``ratio_min``/``ratio_max`` (see ``run_stream_bench``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -42,15 +27,20 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from agentroll.bench.pairs import DEFAULT_PAIRS, alternate, check_pairs, paired_ratio
 from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.rollout.buffer import BufferConfig
+from agentroll.stream.api import serve_stream
 from agentroll.stream.auth import ensure_token, load_token
-from agentroll.stream.client import StreamClient, WireFormat
-from agentroll.stream.server import StreamConfig, TrajectoryStream, serve_stream
+from agentroll.stream.client import StreamClient
+from agentroll.stream.server import StreamConfig, TrajectoryStream
+from agentroll.stream.wire import WireFormat
 from agentroll.types import Message, ToolCall, Trajectory, Turn, encode_msgpack
 
-REPEATS = 3  # timed msgpack runs (each with its own limit measurements): medians of this many
+MAX_PAIRS = 99  # run prefixes ("m07", "f07") have a fixed width: a run's sizes are known
+_PREFIX_LEN = 3
+_JSON_PREFIX = "jsn"
 POOL = 64  # distinct trajectories; runs publish copies under fresh ids
 CAPACITY = 4096  # worker buffer capacity (trajectories)
 _MB = 1e6
@@ -129,6 +119,9 @@ class StreamBenchResult:
     worker_cpu_s: float = math.nan  # CPU of the worker process during it (nan: not on Linux)
     consumer_cpu_s: float = math.nan  # CPU of this (consuming) process during it
     runs: int = 1  # msgpack runs the medians are taken over
+    pairs: int = 1  # (limits, streams) pairs
+    ratio_min: float = math.nan  # of mb_per_s / limit_mb_per_s over the pairs
+    ratio_max: float = math.nan
 
     @property
     def limit_mb_per_s(self) -> float:
@@ -141,7 +134,8 @@ class StreamBenchResult:
             f"disk_mb_per_s={self.disk_mb_per_s:.1f} limit_mb_per_s={self.limit_mb_per_s:.1f} "
             f"full_decode_mb_per_s={self.full_decode_mb_per_s:.1f} "
             f"seconds={self.seconds:.2f} worker_cpu_s={self.worker_cpu_s:.2f} "
-            f"consumer_cpu_s={self.consumer_cpu_s:.2f} runs={self.runs}"
+            f"consumer_cpu_s={self.consumer_cpu_s:.2f} runs={self.runs} pairs={self.pairs} "
+            f"ratio_min={self.ratio_min:.3f} ratio_max={self.ratio_max:.3f}"
         )
 
 
@@ -320,143 +314,6 @@ def _disk_mb_per_s(records: list[bytes], total: int, directory: Path) -> float:
     return total / elapsed / _MB
 
 
-def run_stream_bench(
-    trajectories: int = 20_000,
-    tokens: int = 2048,
-    *,
-    turns: int = 4,
-    group_size: int = 8,
-    lease_max: int = 256,
-    publishers: int = 16,
-    json_fraction: float = 0.25,
-    repeats: int = REPEATS,
-    directory: str | Path | None = None,
-    progress: bool = True,
-) -> StreamBenchResult:
-    """Stream ``trajectories`` of ``tokens`` tokens end to end with msgpack bodies
-    ``repeats`` times to the trainer's consumer and as often to the full decoder, each
-    repeat next to a measurement of the loopback and disk limits on the same number of
-    bytes, then ``json_fraction`` as many with JSON bodies once.  Each figure is the median
-    over the repeats (``seconds`` and the CPU figures: of the median run).
-    ``directory`` holds the spool (default: a temporary one).  Progress goes to stderr.
-    Raises ``ConfigError`` for bad sizes, ``AssertionError`` if a trajectory is lost or
-    delivered twice, ``RuntimeError`` if the worker process fails."""
-    if min(trajectories, tokens, group_size, lease_max, publishers, repeats) < 1:
-        raise ConfigError(
-            "trajectories, tokens, group_size, lease_max, publishers and repeats must all be >= 1"
-        )
-    if not 0 < json_fraction <= 1:
-        raise ConfigError(f"json_fraction={json_fraction}; use a value in (0, 1]")
-    if lease_max > CAPACITY:
-        raise ConfigError(f"lease_max={lease_max}; use at most {CAPACITY}")
-    if repeats > 9:
-        raise ConfigError(f"repeats={repeats}; use at most 9")
-    n = max(group_size, trajectories - trajectories % group_size)
-    n_json = max(group_size, int(n * json_fraction) // group_size * group_size)
-    pool = _pool(POOL, tokens, turns)
-    # run r publishes ids "m<r>-..." (msgpack) and the JSON run "js-...": every prefix has the
-    # same length, so trajectory i of any run is pool[i % POOL] with a msgpack size of
-    # sizes[i % POOL] exactly
-    records = [encode_msgpack(_instance(pool, "js", i, group_size)) for i in range(POOL)]
-    sizes = [len(r) for r in records]
-    block = b"".join(records)  # what the loopback copy sends, repeated
-    total = sum(sizes[i % POOL] for i in range(n))
-    mode: ProgressMode = "auto" if progress else "off"
-    # (prefix, format, count, conversation, repeat): each repeat runs the trainer's consumer
-    # ("m") and the full decoder ("f"), in alternating order, after measuring its limits
-    plan: list[tuple[str, WireFormat, int, bool, int]] = []
-    for r in range(repeats):
-        pair: list[tuple[str, WireFormat, int, bool, int]] = [
-            (f"m{r}", "msgpack", n, False, r),
-            (f"f{r}", "msgpack", n, True, r),
-        ]
-        plan += pair[:: 1 if r % 2 == 0 else -1]
-    plan.append(("js", "json", n_json, False, -1))
-    with tempfile.TemporaryDirectory(dir=directory, prefix="agentroll-bench-stream-") as tmp:
-        root = Path(tmp)
-        args = (str(root / "spool"), tokens, turns, group_size, publishers)
-        code = f"from agentroll.bench.stream import worker_main; worker_main{args!r}"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        runs: list[_Run] = []
-        try:
-            assert proc.stdin is not None and proc.stdout is not None
-            line = proc.stdout.readline().split()
-            if len(line) != 2 or line[0] != "url":
-                raise RuntimeError(f"the bench worker did not start (exit {proc.wait()})")
-            url = line[1]
-            token = load_token(root, env=None)  # the worker's own, whatever the environment
-            limits = (math.nan, math.nan)
-            measured = -1  # the repeat whose limits ``limits`` are
-            for prefix, fmt, count, conversation, repeat in plan:
-                if repeat >= 0 and repeat != measured:  # a repeat's limits, right before it
-                    limits = (
-                        _tcp_copy_mb_per_s(block, total),
-                        _disk_mb_per_s(records, total, root),
-                    )
-                    measured = repeat
-                label = f"stream {fmt}"
-                if repeat >= 0:
-                    label += f"{' full decode' if conversation else ''} {repeat + 1}/{repeats}"
-                bar = Progress(label, count, mode=mode)
-                try:
-                    proc.stdin.write(f"prepare {prefix} {count}\n")
-                    proc.stdin.flush()
-                    if proc.stdout.readline().split() != ["prepared", str(count)]:
-                        raise RuntimeError("the bench worker did not prepare its trajectories")
-                    worker0, consumer0 = _process_cpu_s(proc.pid), time.process_time()
-                    start = time.perf_counter()
-                    proc.stdin.write(f"publish {prefix} {count}\n")
-                    proc.stdin.flush()
-                    nbytes = asyncio.run(
-                        _consume(url, token, fmt, count, sizes, lease_max, bar, conversation)
-                    )
-                    seconds = time.perf_counter() - start
-                    runs.append(
-                        _Run(
-                            fmt,
-                            conversation,
-                            count,
-                            seconds,
-                            nbytes,
-                            _process_cpu_s(proc.pid) - worker0,
-                            time.process_time() - consumer0,
-                            *limits,
-                        )
-                    )
-                finally:
-                    bar.close()
-                if proc.stdout.readline().split() != ["published", str(count)]:
-                    raise RuntimeError("the bench worker did not confirm its publishes")
-            proc.stdin.write("stop\n")
-            proc.stdin.flush()
-            if proc.wait(timeout=60) != 0:
-                raise RuntimeError(f"the bench worker exited with {proc.returncode}")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    stream = [r for r in runs if r.fmt == "msgpack" and not r.conversation]
-    median = _lower_median(stream)
-    full_median = _lower_median([r for r in runs if r.fmt == "msgpack" and r.conversation])
-    json_run = next(r for r in runs if r.fmt == "json")
-    return StreamBenchResult(
-        published=n,
-        delivered=n,
-        traj_per_s=median.count / median.seconds,
-        mb_per_s=median.mb_per_s,
-        json_mb_per_s=json_run.mb_per_s,
-        raw_tcp_mb_per_s=statistics.median(r.tcp_mb_per_s for r in stream),
-        disk_mb_per_s=statistics.median(r.disk_mb_per_s for r in stream),
-        full_decode_mb_per_s=full_median.mb_per_s,
-        seconds=median.seconds,
-        worker_cpu_s=median.worker_cpu_s,
-        consumer_cpu_s=median.consumer_cpu_s,
-        runs=len(stream),
-    )
-
-
 @dataclass
 class _Run:
     """One timed run of ``run_stream_bench`` and the limits measured right before it."""
@@ -468,12 +325,16 @@ class _Run:
     nbytes: int
     worker_cpu_s: float
     consumer_cpu_s: float
-    tcp_mb_per_s: float
-    disk_mb_per_s: float
+    tcp_mb_per_s: float = math.nan
+    disk_mb_per_s: float = math.nan
 
     @property
     def mb_per_s(self) -> float:
         return self.nbytes / self.seconds / _MB
+
+    @property
+    def limit_mb_per_s(self) -> float:
+        return min(self.tcp_mb_per_s, self.disk_mb_per_s)
 
 
 def _lower_median(runs: list[_Run]) -> _Run:
@@ -481,7 +342,300 @@ def _lower_median(runs: list[_Run]) -> _Run:
     return sorted(runs, key=lambda r: r.mb_per_s)[(len(runs) - 1) // 2]
 
 
-def main_stream(trajectories: int, tokens: int) -> None:
+@dataclass(frozen=True, slots=True)
+class _Payload:
+    """What every run streams and the limits copy: the msgpack records of the pool, their
+    sizes, the records joined (the loopback copy sends it repeated) and a run's total bytes."""
+
+    records: list[bytes]
+    sizes: list[int]
+    block: bytes
+    total: int
+
+
+def _payload(n: int, tokens: int, turns: int, group_size: int) -> _Payload:
+    pool = _pool(POOL, tokens, turns)
+    # every run's prefix has the same length (``_PREFIX_LEN``), so trajectory i of any run is
+    # pool[i % POOL] with a msgpack size of sizes[i % POOL] exactly
+    records = [encode_msgpack(_instance(pool, _JSON_PREFIX, i, group_size)) for i in range(POOL)]
+    sizes = [len(r) for r in records]
+    total = sum(sizes[i % POOL] for i in range(n))
+    return _Payload(records, sizes, b"".join(records), total)
+
+
+def _check_sizes(
+    trajectories: int,
+    tokens: int,
+    group_size: int,
+    lease_max: int,
+    publishers: int,
+    json_fraction: float,
+    pairs: int,
+    flag: str,
+) -> None:
+    if min(trajectories, tokens, group_size, lease_max, publishers) < 1:
+        raise ConfigError(
+            "trajectories, tokens, group_size, lease_max and publishers must all be >= 1"
+        )
+    check_pairs(pairs, flag)
+    if pairs > MAX_PAIRS:
+        raise ConfigError(f"{flag}={pairs}; use at most {MAX_PAIRS}")
+    if not 0 < json_fraction <= 1:
+        raise ConfigError(f"json_fraction={json_fraction}; use a value in (0, 1]")
+    if lease_max > CAPACITY:
+        raise ConfigError(f"lease_max={lease_max}; use at most {CAPACITY}")
+
+
+class _WorkerProcess:
+    """The bench's worker process (``worker_main``) and the consumer's side of its stdin /
+    stdout protocol; ``run`` times one publish-and-consume.  Killed on exit if still up."""
+
+    def __init__(
+        self, root: Path, tokens: int, turns: int, group_size: int, publishers: int
+    ) -> None:
+        args = (str(root / "spool"), tokens, turns, group_size, publishers)
+        code = f"from agentroll.bench.stream import worker_main; worker_main{args!r}"
+        self.root = root
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.url = ""
+        self.token = ""
+
+    def __enter__(self) -> _WorkerProcess:
+        try:
+            line = self._read()
+            if len(line) != 2 or line[0] != "url":
+                raise RuntimeError(f"the bench worker did not start (exit {self.proc.wait()})")
+        except BaseException:
+            self.__exit__()
+            raise
+        self.url = line[1]
+        self.token = load_token(self.root, env=None)  # the worker's own, whatever the env
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self) -> list[str]:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().split()
+
+    def run(
+        self,
+        prefix: str,
+        fmt: WireFormat,
+        count: int,
+        conversation: bool,
+        payload: _Payload,
+        lease_max: int,
+        bar: Progress,
+    ) -> _Run:
+        """Publish ``count`` trajectories under ``prefix`` and consume them; the clock runs
+        from the publish command to the last ack (building them is not timed)."""
+        self._send(f"prepare {prefix} {count}")
+        if self._read() != ["prepared", str(count)]:
+            raise RuntimeError("the bench worker did not prepare its trajectories")
+        worker0, consumer0 = _process_cpu_s(self.proc.pid), time.process_time()
+        start = time.perf_counter()
+        self._send(f"publish {prefix} {count}")
+        nbytes = asyncio.run(
+            _consume(self.url, self.token, fmt, count, payload.sizes, lease_max, bar, conversation)
+        )
+        seconds = time.perf_counter() - start
+        worker_cpu = _process_cpu_s(self.proc.pid) - worker0
+        run = _Run(
+            fmt, conversation, count, seconds, nbytes, worker_cpu, time.process_time() - consumer0
+        )
+        if self._read() != ["published", str(count)]:
+            raise RuntimeError("the bench worker did not confirm its publishes")
+        return run
+
+    def stop(self) -> None:
+        self._send("stop")
+        if self.proc.wait(timeout=60) != 0:
+            raise RuntimeError(f"the bench worker exited with {self.proc.returncode}")
+
+
+def _timed(
+    worker: _WorkerProcess,
+    prefix: str,
+    fmt: WireFormat,
+    count: int,
+    conversation: bool,
+    payload: _Payload,
+    lease_max: int,
+    label: str,
+    mode: ProgressMode,
+) -> _Run:
+    bar = Progress(label, count, mode=mode)
+    try:
+        return worker.run(prefix, fmt, count, conversation, payload, lease_max, bar)
+    finally:
+        bar.close()
+
+
+def _result(
+    pairs: list[tuple[tuple[float, float], list[_Run]]], json_run: _Run
+) -> StreamBenchResult:
+    """The figures over the pairs: each msgpack run gets its pair's limits; MB/s (and the
+    run's time and CPU) of the lower-median run, the limits' medians, the ratio's range."""
+    stream: list[_Run] = []
+    full: list[_Run] = []
+    for (tcp, disk), runs in pairs:
+        for run in runs:
+            run.tcp_mb_per_s, run.disk_mb_per_s = tcp, disk
+            (full if run.conversation else stream).append(run)
+    median, full_median = _lower_median(stream), _lower_median(full)
+    of_limit = paired_ratio([(r.mb_per_s, r.limit_mb_per_s) for r in stream])
+    return StreamBenchResult(
+        published=median.count,
+        delivered=median.count,
+        traj_per_s=median.count / median.seconds,
+        mb_per_s=median.mb_per_s,
+        json_mb_per_s=json_run.mb_per_s,
+        raw_tcp_mb_per_s=statistics.median(r.tcp_mb_per_s for r in stream),
+        disk_mb_per_s=statistics.median(r.disk_mb_per_s for r in stream),
+        full_decode_mb_per_s=full_median.mb_per_s,
+        seconds=median.seconds,
+        worker_cpu_s=median.worker_cpu_s,
+        consumer_cpu_s=median.consumer_cpu_s,
+        runs=len(stream),
+        pairs=of_limit.pairs,
+        ratio_min=of_limit.ratio_min,
+        ratio_max=of_limit.ratio_max,
+    )
+
+
+def run_stream_bench(
+    trajectories: int = 20_000,
+    tokens: int = 2048,
+    *,
+    turns: int = 4,
+    group_size: int = 8,
+    lease_max: int = 256,
+    publishers: int = 16,
+    json_fraction: float = 0.25,
+    pairs: int = DEFAULT_PAIRS,
+    repeats: int | None = None,
+    directory: str | Path | None = None,
+    progress: bool = True,
+) -> StreamBenchResult:
+    """Stream ``trajectories`` of ``tokens`` tokens end to end with msgpack bodies in
+    ``pairs`` alternating pairs (``repeats``: the same, by its older name): the loopback
+    and disk limits on the same number of bytes, then the trainer's consumer and the full
+    decoder (in alternating order); then ``json_fraction`` as many with JSON bodies once.
+    Each figure is the median over the pairs (``seconds`` and the CPU figures: of the
+    median run).  ``directory`` holds the spool (default: a temporary one).  Progress goes
+    to stderr.  Raises ``ConfigError`` for bad sizes or fewer than 5 pairs,
+    ``AssertionError`` if a trajectory is lost or delivered twice, ``RuntimeError`` if the
+    worker process fails.
+
+    The worker (``TrajectoryStream``) publishes groups from concurrent publishers (spool
+    fsync, group commit); the consumer (``StreamClient``: lease, decode, ack) decodes what a
+    trainer uses (``conversation=False``: token arrays, reward, ids and the rest, not the
+    turns and messages, which still travel in every body and are stepped over).
+    ``mb_per_s`` counts the msgpack bytes of the trajectories delivered per second from the
+    first publish to the last ack (the trajectory objects are built before the clock
+    starts: the episodes' work, not the stream's); ``json_mb_per_s`` the same (msgpack
+    bytes) with JSON bodies; ``full_decode_mb_per_s`` the same with a consumer that decodes
+    the whole trajectory (``conversation=True``, the client's default).  ``limit_mb_per_s``
+    is the smaller of ``raw_tcp_mb_per_s`` and ``disk_mb_per_s``, each the median over the
+    pairs; ``runs`` and ``pairs`` count the msgpack runs and pairs the medians are over.
+    ``worker_cpu_s`` and ``consumer_cpu_s`` are the CPU seconds (user + system) each process
+    used during the median run of ``mb_per_s``, next to its wall time ``seconds``: on a
+    machine with few cores they show when the processes themselves, not the disk or the
+    loopback, limit the stream.  Every run checks delivered == published, each id exactly
+    once, and an empty spool at the end."""
+    flag = "pairs" if repeats is None else "repeats"
+    pairs = pairs if repeats is None else repeats
+    _check_sizes(
+        trajectories, tokens, group_size, lease_max, publishers, json_fraction, pairs, flag
+    )
+    n = max(group_size, trajectories - trajectories % group_size)
+    n_json = max(group_size, int(n * json_fraction) // group_size * group_size)
+    payload = _payload(n, tokens, turns, group_size)
+    mode: ProgressMode = "auto" if progress else "off"
+    with tempfile.TemporaryDirectory(dir=directory, prefix="agentroll-bench-stream-") as tmp:
+        root = Path(tmp)
+        with _WorkerProcess(root, tokens, turns, group_size, publishers) as worker:
+
+            def limits(_: int) -> tuple[float, float]:
+                return (
+                    _tcp_copy_mb_per_s(payload.block, payload.total),
+                    _disk_mb_per_s(payload.records, payload.total, root),
+                )
+
+            def streams(i: int) -> list[_Run]:
+                # the two consumers in alternating order, so neither always runs first
+                kinds = [("m", False), ("f", True)][:: 1 if i % 2 == 0 else -1]
+                return [
+                    _timed(
+                        worker,
+                        f"{kind}{i:0{_PREFIX_LEN - 1}d}",
+                        "msgpack",
+                        n,
+                        conversation,
+                        payload,
+                        lease_max,
+                        f"stream msgpack{' full decode' if conversation else ''} {i + 1}/{pairs}",
+                        mode,
+                    )
+                    for kind, conversation in kinds
+                ]
+
+            measured = alternate(limits, streams, pairs)
+            json_run = _timed(
+                worker, _JSON_PREFIX, "json", n_json, False, payload, lease_max, "stream json", mode
+            )
+            worker.stop()
+    return _result(measured, json_run)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBenchConfig:
+    """The options of ``agentroll bench stream``: at least one trajectory, and enough tokens
+    per trajectory for its turns."""
+
+    trajectories: int
+    tokens: int
+    pairs: int = DEFAULT_PAIRS
+
+    def __post_init__(self) -> None:
+        if self.trajectories < 1 or self.tokens < 9:
+            raise ConfigError(
+                f"--trajectories must be >= 1 and --tokens >= 9 (got {self.trajectories} and "
+                f"{self.tokens}); raise them"
+            )
+        check_pairs(self.pairs)
+        if self.pairs > MAX_PAIRS:
+            raise ConfigError(f"--pairs must be at most {MAX_PAIRS} (got {self.pairs})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trajectories", type=int, default=20_000)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per trajectory")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=DEFAULT_PAIRS,
+        help=f"alternating (limits, streams) pairs, 5 to {MAX_PAIRS}; figures are their medians",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     """CLI entry: run the bench (progress on stderr) and print its result line."""
-    result = run_stream_bench(trajectories, tokens)
+    config = StreamBenchConfig(args.trajectories, args.tokens, args.pairs)
+    result = run_stream_bench(config.trajectories, config.tokens, pairs=config.pairs)
     print(result.line(), flush=True)
+    return 0

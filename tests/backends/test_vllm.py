@@ -245,10 +245,12 @@ async def test_bench_line(backend: VLLMBackend) -> None:
 
     from agentroll.bench.vllm import format_line, run_vllm_bench
 
-    result = await run_vllm_bench(4, 8, rounds=1, progress=False, backend=backend)
+    result = await run_vllm_bench(4, 8, pairs=5, progress=False, backend=backend)
     line = format_line(result)
     assert re.fullmatch(
-        r"tokens_per_s=[\d.]+ raw_tokens_per_s=[\d.]+ overhead_ratio=[\d.]+", line
+        r"tokens_per_s=[\d.]+ raw_tokens_per_s=[\d.]+ overhead_ratio=[\d.]+"
+        r" pairs=\d+ ratio_min=[\d.]+ ratio_max=[\d.]+",
+        line,
     ), line
     assert result["tokens_per_s"] > 0 and result["raw_tokens_per_s"] > 0
 

@@ -9,14 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentroll.bench.chaos import (
-    MOMENTS,
-    Event,
-    kill_plan,
-    run_chaos_bench,
-    stream_token,
-    tally,
-)
+from agentroll.bench.chaos import run_chaos_bench, stream_token
+from agentroll.bench.chaos_tally import MOMENTS, Event, kill_plan, tally
 from agentroll.errors import ConfigError
 
 KEYS = ["kills", "durable", "delivered", "lost", "duplicated_after_dedupe", "groups_incomplete"]

@@ -1,5 +1,6 @@
-"""The matmul floor of ``bench engine``: every linear layer and the LM head, once per step,
-each product the fastest way measured, and q/k/v and gate/up fused when that is faster."""
+"""``bench engine``: the matmul floor (every linear layer and the LM head, once per step,
+each product the fastest way measured, q/k/v and gate/up fused when that is faster), and the
+engine and its baselines measured alternately, the ratio a median over the pairs."""
 
 from __future__ import annotations
 
@@ -73,3 +74,52 @@ def test_matmul_floor_times_every_product_the_fastest_way(
     else:  # qkv, o, gate_up, down per layer; the head
         assert {way for way, _, _ in step} == {"kernels"} and len(step) == 4 * layers + 1
         assert widths == sorted([qkv, hidden, 2 * inter, hidden] * layers + [vocab])
+
+
+async def test_engine_and_baselines_alternate_and_the_ratio_is_per_pair(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The engine (A) and transformers batched (B) alternate, A B A B, after both are loaded;
+    without vLLM its figures are nan; the ratio is the median of the per-pair ratios."""
+    calls: list[str] = []
+    # the machine slows down pair by pair; the engine stays 4x transformers in every pair
+    ours_rates = [800.0, 400.0, 200.0, 100.0, 50.0]
+
+    class Ours:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            calls.append("load ours")
+
+        async def __aenter__(self) -> Ours:
+            return self
+
+        async def __aexit__(self, *exc: Any) -> None:
+            calls.append("close ours")
+
+        async def rate(self, rep: int) -> float:
+            calls.append(f"ours {rep}")
+            return ours_rates[rep]
+
+        async def prefix_hit_rate(self) -> float:
+            return 0.5
+
+    class HF:
+        def __init__(self, *args: Any) -> None:
+            calls.append("load hf")
+            self.rep = 0
+
+        def rate(self, batched: bool) -> float:
+            assert batched
+            calls.append(f"hf {self.rep}")
+            self.rep += 1
+            return ours_rates[self.rep - 1] / 4
+
+    monkeypatch.setattr(bench_engine, "_Ours", Ours)
+    monkeypatch.setattr(bench_engine, "_HF", HF)
+    monkeypatch.setattr(bench_engine._VLLM, "start", staticmethod(lambda *a: None))
+    p = await bench_engine._paired(tmp_path, [[1, 2]], 4, 5)
+    pairs = [f"{side} {i}" for i in range(5) for side in ("ours", "hf")]
+    assert calls == ["load ours", "load hf", *pairs, "close ours"]
+    assert p.ours == 200.0 and p.hf_batch == 50.0 and p.prefix_hit_rate == 0.5
+    assert p.vs_hf_batch.ratio == 4.0 and p.vs_hf_batch.pairs == 5
+    assert p.vs_hf_batch.ratio_min == 4.0 == p.vs_hf_batch.ratio_max
+    assert math.isnan(p.vllm) and math.isnan(p.vs_vllm.ratio)

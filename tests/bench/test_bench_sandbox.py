@@ -1,6 +1,7 @@
 """``agentroll bench sandbox`` with small counts: the result line has exactly the five promised
-keys with float values, the figures are positive, docker beats ``docker exec`` and leaves no
-container behind, and the CLI prints the line on stdout."""
+keys with float values and then the pair count and the ratio's range, the figures are
+positive, docker beats ``docker exec`` and leaves no container behind, and the CLI prints the
+line on stdout."""
 
 from __future__ import annotations
 
@@ -17,9 +18,19 @@ from agentroll.errors import ConfigError, SandboxError
 _FLOAT = r"(\d+(?:\.\d+)?)"
 LINE = re.compile(
     rf"^acquire_p50_ms={_FLOAT} cold_start_p50_ms={_FLOAT} exec_p50_ms={_FLOAT} "
-    rf"cli_exec_p50_ms={_FLOAT} speedup_vs_cli={_FLOAT}$"
+    rf"cli_exec_p50_ms={_FLOAT} speedup_vs_cli={_FLOAT} "
+    rf"pairs=(\d+) ratio_min={_FLOAT} ratio_max={_FLOAT}$"
 )
-KEYS = ["acquire_p50_ms", "cold_start_p50_ms", "exec_p50_ms", "cli_exec_p50_ms", "speedup_vs_cli"]
+KEYS = [
+    "acquire_p50_ms",
+    "cold_start_p50_ms",
+    "exec_p50_ms",
+    "cli_exec_p50_ms",
+    "speedup_vs_cli",
+    "pairs",
+    "ratio_min",
+    "ratio_max",
+]
 
 
 def parse(line: str) -> dict[str, float]:
@@ -33,9 +44,13 @@ async def test_local_bench_line_has_the_five_positive_figures() -> None:
     assert sorted(result) == sorted(KEYS)
     values = parse(format_line(result))
     assert all(v > 0 for v in values.values()), values
-    assert result["speedup_vs_cli"] == pytest.approx(
-        result["cli_exec_p50_ms"] / result["exec_p50_ms"]
-    )
+    assert result["pairs"] == 5
+    # the speedup is the median of the per-pair ratios: within their range, and so is the
+    # ratio of the two sides' medians (each side's pair figure is within [min, max] times
+    # the other's)
+    low, high = result["ratio_min"] * (1 - 1e-9), result["ratio_max"] * (1 + 1e-9)
+    assert low <= result["speedup_vs_cli"] <= high
+    assert low <= result["cli_exec_p50_ms"] / result["exec_p50_ms"] <= high
 
 
 async def test_bad_counts_and_backends_are_config_errors() -> None:
@@ -43,6 +58,8 @@ async def test_bad_counts_and_backends_are_config_errors() -> None:
         await run_sandbox_bench("local", 0, progress=False)
     with pytest.raises(ConfigError, match="backend 'k8s' is unknown"):
         await run_sandbox_bench("k8s", 5, progress=False)
+    with pytest.raises(ConfigError, match="--pairs must be >= 5"):
+        await run_sandbox_bench("local", 5, pairs=4, progress=False)
 
 
 def test_cli_prints_the_line_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,7 +92,7 @@ def _docker_host() -> str:
     host = os.environ.get("AGENTROLL_DOCKER_HOST")
     if not host:
         pytest.skip("AGENTROLL_DOCKER_HOST is unset (scripts/dockerd.sh host prints one)")
-    from agentroll.sandbox.docker import list_containers
+    from agentroll.sandbox.docker_daemon import list_containers
 
     try:
         list_containers(host)
@@ -88,7 +105,8 @@ def _docker_host() -> str:
 async def test_docker_bench_beats_docker_exec_and_leaves_nothing() -> None:
     host = _docker_host()
     from agentroll.sandbox._ratelimit import LABEL, LABEL_OWNER
-    from agentroll.sandbox.docker import DockerOptions, _daemon, _owner, list_containers
+    from agentroll.sandbox.docker_daemon import _daemon, _owner, list_containers
+    from agentroll.sandbox.docker_options import DockerOptions
 
     result = await run_sandbox_bench(
         "docker", 20, docker_host=host, acquires=3, cold_starts=2, progress=False

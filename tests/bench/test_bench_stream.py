@@ -1,6 +1,7 @@
 """``agentroll bench stream`` with tiny numbers: the result line has exactly the promised keys,
 every published trajectory was delivered once (the bench raises otherwise), the figures are
-positive, the limits are measured once per repeat and the limit is the smaller of the two."""
+positive, the limits are measured once per pair, alternating with the runs, and the limit is
+the smaller of the two."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ KEYS = [
     "worker_cpu_s",
     "consumer_cpu_s",
     "runs",
+    "pairs",
+    "ratio_min",
+    "ratio_max",
 ]
 
 
@@ -33,7 +37,7 @@ KEYS = [
 def test_tiny_bench_delivers_everything_and_prints_the_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    events: list[str] = []  # the limits are measured once per repeat, before its pair of runs
+    events: list[str] = []  # the limits are measured once per pair, before its two runs
     for name in ("_tcp_copy_mb_per_s", "_disk_mb_per_s"):
         real = getattr(bench_stream, name)
         monkeypatch.setattr(
@@ -52,17 +56,18 @@ def test_tiny_bench_delivers_everything_and_prints_the_line(
         group_size=4,
         lease_max=8,
         publishers=3,
-        repeats=2,
+        pairs=5,
         directory=tmp_path,
         progress=False,
     )
-    assert result.delivered == result.published == 48 and result.runs == 2
+    assert result.delivered == result.published == 48 and result.runs == 5
     limits = ["_tcp_copy_mb_per_s", "_disk_mb_per_s"]
-    assert events == (limits + ["run", "run"]) * 2 + ["run"]  # the last: the JSON stream
+    assert events == (limits + ["run", "run"]) * 5 + ["run"]  # the last: the JSON stream
     pairs = [field.split("=") for field in result.line().split()]
     assert [k for k, _ in pairs] == KEYS
     values = {k: float(v) for k, v in pairs}
-    assert values.pop("runs") == 2
+    assert values.pop("runs") == 5 and values.pop("pairs") == 5
+    assert 0 < result.ratio_min <= result.ratio_max
     # the figures themselves, not the line's: 48 KB over a slow moment (an fsync stalled by
     # the rest of the suite) prints as 0.0 MB/s
     rates = [getattr(result, k) for k in KEYS[:7]]
@@ -86,3 +91,5 @@ def test_synthetic_trajectories_are_realistic_and_round_trip() -> None:
         run_stream_bench(8, 64, json_fraction=0)
     with pytest.raises(ConfigError, match="repeats"):
         run_stream_bench(8, 64, repeats=0)
+    with pytest.raises(ConfigError, match="pairs must be >= 5"):
+        run_stream_bench(8, 64, pairs=4)
