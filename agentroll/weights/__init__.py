@@ -1,6 +1,6 @@
 """Weight sync: full and delta updates, checksums, transactional apply, transports.
 
-``agentroll.weights.http`` (starlette/uvicorn/httpx) and ``agentroll.weights.dist``
+``agentroll.weights.http`` (httpx) and ``agentroll.weights.dist``
 (torch.distributed) are imported on demand.
 """
 

@@ -352,7 +352,7 @@ class WeightReceiver(abc.ABC):
 
 
 class WeightTransport(WeightSender, WeightReceiver):
-    """Both halves; HTTP is send-only (the replica side is ``weights_app``)."""
+    """Both halves; HTTP is send-only (the receiver is the stream's ``POST /v1/weights``)."""
 
 
 class InProcessTransport(WeightTransport):

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from weights_server import serve_weights
 
 from agentroll.errors import WeightSyncError
 from agentroll.stream.api import serve_stream
@@ -26,7 +27,7 @@ from agentroll.stream.client import StreamClient
 from agentroll.stream.server import StreamConfig, TrajectoryStream
 from agentroll.weights.apply import WeightStore
 from agentroll.weights.exporter import WeightExporter
-from agentroll.weights.http import HttpTransport, serve_weights
+from agentroll.weights.http import HttpTransport
 from agentroll.weights.transport import MAGIC, describe
 from agentroll.weights.update import TensorUpdate, WeightUpdate, model_digest
 

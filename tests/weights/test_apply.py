@@ -148,7 +148,9 @@ async def test_http_transport_into_a_live_engine(
     tiny_model: Path, trainer: torch.nn.Module
 ) -> None:
     """Trainer -> HTTP (127.0.0.1) -> replica endpoint -> pause, apply, resume."""
-    from agentroll.weights.http import HttpTransport, serve_weights
+    from weights_server import serve_weights
+
+    from agentroll.weights.http import HttpTransport
 
     exporter = WeightExporter(trainer, dtype=torch.bfloat16)
     opt = torch.optim.Adam(trainer.parameters(), lr=1e-4)

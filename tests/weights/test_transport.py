@@ -18,9 +18,10 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from weights_server import serve_weights
 
 from agentroll.errors import ConfigError, WeightSyncError
-from agentroll.weights.http import HttpTransport, serve_weights
+from agentroll.weights.http import HttpTransport
 from agentroll.weights.transport import (
     MAGIC,
     DirectoryTransport,
