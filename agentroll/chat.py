@@ -15,7 +15,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import jinja2
 import jinja2.sandbox
@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from agentroll._fs import read_json_object
 from agentroll.errors import ChatTemplateError, ConfigError
+from agentroll.plugins import TOOL_PARSERS as _PARSER_GROUP
 from agentroll.types import Message, ToolCall, ToolSpec
 
 
@@ -408,6 +409,7 @@ class ParsedOutput(msgspec.Struct, kw_only=True):
     errors: list[str]
 
 
+@runtime_checkable
 class ToolParser(Protocol):
     """Turns assistant text into calls.  Must never raise on any input."""
 
@@ -473,11 +475,21 @@ class HermesToolParser:
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesToolParser()}
+# the built-in names are this dict's keys as they are at each lookup
+_PARSER_PLUGINS = _PARSER_GROUP.over(TOOL_PARSERS)
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """The registered tool parser called ``name`` (add yours to ``TOOL_PARSERS``)."""
-    try:
+    """The tool parser called ``name``: one of ``TOOL_PARSERS`` (code may add to it), else a
+    fresh one from the factory registered under that name in entry point group
+    ``agentroll.tool_parsers``.  Raises ``ConfigError`` naming the known parsers when there
+    is none, or when the plugin's object has no ``parse`` method."""
+    if name in TOOL_PARSERS:
         return TOOL_PARSERS[name]
-    except KeyError:
-        raise ConfigError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
+    parser = _PARSER_PLUGINS.load(name)()
+    if not isinstance(parser, ToolParser):
+        raise ConfigError(
+            f"tool parser {name!r} made a {type(parser).__name__} without a parse() method; "
+            "its entry point must name a ToolParser class (or a factory returning one)"
+        )
+    return parser

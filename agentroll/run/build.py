@@ -15,10 +15,12 @@ import msgspec
 from agentroll.backends.base import Backend, SamplingParams
 from agentroll.env import Environment, load_environment
 from agentroll.errors import ConfigError
+from agentroll.plugins import BACKENDS
 from agentroll.rollout.engine import RolloutConfig
-from agentroll.run.recipe import Recipe
+from agentroll.rollout.pause import PolicyFn, staleness_policy
+from agentroll.run.recipe import Recipe, SyncSection
 from agentroll.sandbox.base import SandboxConfig
-from agentroll.types import Task
+from agentroll.types import ResumePolicy, Task
 from agentroll.weights.apply import WeightLayout
 
 
@@ -76,7 +78,8 @@ def local_weight_layout(backend: Backend) -> WeightLayout | None:
 
 def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
     """A ``FleetBackend`` of ``backend.replicas`` engines of ``backend.kind`` on
-    ``model_dir`` (built-in engines, vLLM in-process, or vLLM servers at ``backend.urls``)."""
+    ``model_dir`` (built-in engines, vLLM in-process, vLLM servers at ``backend.urls``, or
+    a plugin's ``factory(recipe, model_dir, index)`` per replica: see ``agentroll.plugins``)."""
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
 
@@ -125,10 +128,19 @@ def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
             )
             for url in b.urls
         ]
-    else:
+    elif b.kind == "mock":
         raise ConfigError(
             f"backend.kind {b.kind!r} cannot serve a recipe worker; use torch, vllm or http"
         )
+    else:
+        factory = BACKENDS.load(b.kind, field="backend.kind")
+        engines = [factory(recipe, model_dir, i) for i in range(b.replicas)]
+        for engine in engines:
+            if not isinstance(engine, Backend):
+                raise ConfigError(
+                    f"backend.kind {b.kind!r} made a {type(engine).__name__}, not a Backend; "
+                    "its entry point must name a factory(recipe, model_dir, index) -> Backend"
+                )
     replicas = [LocalReplica(e, name=f"replica-{i}") for i, e in enumerate(engines)]
     return FleetBackend(replicas, strategy=recipe.sync.strategy, capacity=b.max_num_seqs)
 
@@ -144,6 +156,7 @@ def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
         seed=recipe.run.seed if seed is None else seed,
         tool_timeout=r.tool_timeout,
         episode_timeout=r.episode_timeout,
+        tool_parser=r.tool_parser,
         progress="off",
     )
 
@@ -158,3 +171,10 @@ def cycle_tasks(tasks: list[Task], seed: int) -> Iterator[Task]:
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
         yield from order
         epoch += 1
+
+
+def resume_policy(sync: SyncSection) -> ResumePolicy | PolicyFn:
+    """The recipe's resume policy: a literal, or the staleness rule with its budget."""
+    if sync.policy == "staleness":
+        return staleness_policy(sync.max_kv_lag, after=sync.after)
+    return sync.policy

@@ -2,9 +2,10 @@
 
 Role: make (or take) the model, warm it up on demonstrations when the recipe says so, start a
 rollout worker process (``agentroll worker --recipe``) that serves the trajectory stream, and
-train on that stream with the reference trainer, pushing weights back every
-``sync.interval`` steps while the worker keeps generating; then stop the worker (it
-checkpoints what is in flight), count what was lost, and write the report.
+train on that stream with the reference trainer (advantages and objective from the recipe's
+``trainer.algorithm``), pushing weights back every ``sync.interval`` steps while the worker
+keeps generating; then stop the worker (it checkpoints what is in flight), count what was
+lost, and write the report.
 Invariants: the trainer only sees trajectories through ``StreamClient`` (as an external
 trainer would); a batch is acknowledged only after the step that used it; the worker process
 never outlives the run (SIGTERM, then SIGKILL after a grace period).
@@ -25,13 +26,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.run.metrics import MetricsWriter
 from agentroll.run.recipe import Recipe, create_run_dir
 from agentroll.types import Trajectory
+
+if TYPE_CHECKING:
+    from agentroll.trainer.algorithm import Algorithm
+    from agentroll.trainer.grpo import GRPOTrainer
 
 logger = logging.getLogger("agentroll.run.loop")
 
@@ -187,6 +192,30 @@ class WorkerProcess:
         return code
 
 
+def build_trainer(recipe: Recipe, model_dir: Path) -> tuple[GRPOTrainer, Algorithm]:
+    """The reference trainer on ``model_dir`` with the recipe's settings, and the
+    ``trainer.algorithm`` whose ``collate`` gives its batches their advantages (the
+    trainer already uses the algorithm's objective)."""
+    from agentroll.trainer.algorithm import trainer_algorithm
+    from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
+
+    t = recipe.trainer
+    algorithm = trainer_algorithm(t.algorithm, field="trainer.algorithm")
+    config = GRPOConfig(
+        lr=t.lr,
+        clip_eps=t.clip_eps,
+        is_cap=t.is_cap,
+        kv_lag=t.kv_lag,
+        kv_lag_weight=t.kv_lag_weight,
+        max_grad_norm=t.max_grad_norm,
+        entropy_coef=t.entropy_coef,
+        temperature=recipe.sampling.temperature,
+        export=recipe.sync.encoding,
+        seed=recipe.run.seed,
+    )
+    return GRPOTrainer(model_dir, config, objective=algorithm.objective), algorithm
+
+
 def staleness_of(trajectories: list[Trajectory], trainer_version: int) -> dict[str, int]:
     hist: dict[str, int] = {}
     for t in trajectories:
@@ -208,23 +237,9 @@ async def train(
 ) -> dict[str, Any]:
     """The RL phase: lease, step, ack, push weights; returns the worker's final status."""
     from agentroll.stream.client import StreamClient
-    from agentroll.trainer.batch import collate
-    from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
 
     t = recipe.trainer
-    config = GRPOConfig(
-        lr=t.lr,
-        clip_eps=t.clip_eps,
-        is_cap=t.is_cap,
-        kv_lag=t.kv_lag,
-        kv_lag_weight=t.kv_lag_weight,
-        max_grad_norm=t.max_grad_norm,
-        entropy_coef=t.entropy_coef,
-        temperature=recipe.sampling.temperature,
-        export=recipe.sync.encoding,
-        seed=recipe.run.seed,
-    )
-    trainer = GRPOTrainer(model_dir, config)
+    trainer, algorithm = build_trainer(recipe, model_dir)
     metrics = MetricsWriter(run_dir, "trainer")
     bar = Progress("training steps", recipe.run.steps, mode=progress)
     worker_version = 0
@@ -240,7 +255,7 @@ async def train(
                     pending = await client.take(t.batch_size, trainer_version=worker_version)
                 with metrics.span("trainer.busy", step=step):
                     version = trainer.version
-                    batch = collate(pending, pad_id=0)
+                    batch = algorithm.collate(pending, pad_id=0)
                     stats = await asyncio.to_thread(trainer.step, batch)
                     await client.ack(x.id for x in pending)
                 metrics.event(

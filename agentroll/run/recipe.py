@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import msgspec
 
 from agentroll.errors import ConfigError
+from agentroll.plugins import BACKENDS, SANDBOXES, TOOL_PARSERS, TRAINERS
 from agentroll.sandbox.base import SandboxConfig
 from agentroll.types import ResumePolicy, Strategy
 
@@ -152,8 +153,9 @@ class BackendSection(_Section, frozen=True):
     }
 
     # torch: the built-in engine; vllm: vLLM in each replica's process; http: one running
-    # vLLM OpenAI server per replica at ``urls`` (started on the recipe's model)
-    kind: Literal["torch", "mock", "vllm", "http"] = "torch"
+    # vLLM OpenAI server per replica at ``urls`` (started on the recipe's model); or a
+    # backend registered in entry point group agentroll.backends
+    kind: str = "torch"
     replicas: int = 1
     urls: list[str] = []
     dtype: str = "float32"
@@ -171,6 +173,7 @@ class BackendSection(_Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        BACKENDS.check(self.kind, field="backend.kind")
         if self.weight_transfer != "reload" and (
             self.kind != "vllm" or len(self.transfer_devices) != self.replicas
         ):
@@ -209,6 +212,13 @@ class RolloutSection(_Section, frozen=True):
     samples_per_task: int = 4
     tool_timeout: float = 30.0
     episode_timeout: float = 600.0
+    # how assistant text becomes tool calls: hermes (<tool_call>{json}</tool_call>), or a
+    # parser registered in entry point group agentroll.tool_parsers
+    tool_parser: str = "hermes"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        TOOL_PARSERS.check(self.tool_parser, field="rollout.tool_parser")
 
 
 # sandbox.options: DockerOptions' numbers
@@ -226,22 +236,26 @@ _DOCKER_BOUNDS = {
 class SandboxSection(_Section, frozen=True):
     name_in_toml = "sandbox"  # timeout and memory_mb: SandboxConfig's bounds
 
-    backend: Literal["local", "docker"] = "local"
+    # local: a process tree under bubblewrap; docker: a container per episode; or a
+    # sandbox registered in entry point group agentroll.sandboxes
+    backend: str = "local"
     timeout: float | None = None  # None: the environment's own
     image: str | None = None  # docker: default agentroll/base:host (host runtime mounted)
     memory_mb: int | None = None  # None: the environment's own
-    options: dict[str, Any] = {}  # docker only: DockerOptions fields (docker_host, ttl, ...)
+    # docker: DockerOptions fields (docker_host, ttl, ...); a plugin sandbox: its own
+    options: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        SANDBOXES.check(self.backend, field="sandbox.backend")
         given: dict[str, Any] = {"timeout": self.timeout, "memory_mb": self.memory_mb}
         try:  # SandboxConfig owns a sandbox's limits: its checks, in its words
             SandboxConfig(backend=self.backend, **{k: v for k, v in given.items() if v is not None})
         except ValueError as exc:
             raise ValueError(_in_section("sandbox", str(exc))) from None
-        if self.options and self.backend != "docker":
-            raise ValueError("sandbox.options apply to backend = 'docker' only")
-        if self.options:
+        if self.options and self.backend == "local":
+            raise ValueError("sandbox.options apply to backend = 'docker' (or a plugin) only")
+        if self.options and self.backend == "docker":
             from agentroll.sandbox.docker_options import DockerOptions
 
             try:
@@ -261,10 +275,17 @@ class SandboxSection(_Section, frozen=True):
 
 class SyncSection(_Section, frozen=True):
     name_in_toml = "sync"
-    bounds = {"interval": Bound(1, 1_000_000, "trainer steps")}
+    bounds = {
+        "interval": Bound(1, 1_000_000, "trainer steps"),
+        "max_kv_lag": Bound(0, 1_000_000, "versions"),
+    }
 
     strategy: Strategy = "rolling"
-    policy: ResumePolicy = "keep"
+    # how a generation in flight resumes: keep, recompute, restart, or staleness (keep
+    # while its KV is at most max_kv_lag versions behind the new weights, else after)
+    policy: ResumePolicy | Literal["staleness"] = "keep"
+    max_kv_lag: int = 1  # policy = "staleness": versions of KV lag that are kept
+    after: ResumePolicy = "recompute"  # policy = "staleness": beyond max_kv_lag
     interval: int = 1  # trainer steps between weight syncs
     encoding: Literal["delta", "full"] = "delta"
 
@@ -340,6 +361,13 @@ class TrainerSection(_Section, frozen=True):
     max_grad_norm: float = 1.0
     entropy_coef: float = 0.0  # entropy bonus (keeps a small policy from collapsing)
     threads: int | None = None  # torch intra-op threads of the trainer (None: torch's default)
+    # advantages and objective of the reference trainer: grpo, or an algorithm registered
+    # in entry point group agentroll.trainers
+    algorithm: str = "grpo"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        TRAINERS.check(self.algorithm, field="trainer.algorithm")
 
 
 class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

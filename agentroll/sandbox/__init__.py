@@ -1,4 +1,5 @@
-"""Sandboxes: where tool calls run (``local``: a process under bubblewrap; ``docker``).
+"""Sandboxes: where tool calls run (``local``: a process under bubblewrap; ``docker``; or
+a plugin registered in entry point group ``agentroll.sandboxes``).
 
 ``open_sandbox`` picks the implementation named by ``SandboxConfig.backend``; the
 implementations import only ``base``, so this package is the one place that knows them all.
@@ -10,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from agentroll.errors import ConfigError
+from agentroll.plugins import SANDBOXES
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 
 __all__ = ["Sandbox", "SandboxConfig", "open_sandbox"]
@@ -19,7 +22,9 @@ def open_sandbox(
     config: SandboxConfig | None = None, *, episode_id: str | None = None, **overrides: Any
 ) -> Sandbox:
     """Create (not yet started) a sandbox of ``config.backend``.  ``episode_id`` labels
-    what the sandbox creates (docker containers) so leftovers can be traced to an episode."""
+    what the sandbox creates (docker containers) so leftovers can be traced to an episode.
+    A plugin backend is called as ``factory(config, episode_id=episode_id)``; raises
+    ``ConfigError`` when the name is unknown or the plugin returns no ``Sandbox``."""
     cfg = config or SandboxConfig()
     if overrides:
         cfg = msgspec.structs.replace(cfg, **overrides)
@@ -31,4 +36,11 @@ def open_sandbox(
         from agentroll.sandbox.docker import DockerSandbox
 
         return DockerSandbox(cfg, episode_id=episode_id)
-    raise ValueError(f"unknown sandbox backend {cfg.backend!r}")
+    factory = SANDBOXES.load(cfg.backend)
+    sandbox = factory(cfg, episode_id=episode_id)
+    if not isinstance(sandbox, Sandbox):
+        raise ConfigError(
+            f"sandbox backend {cfg.backend!r} made a {type(sandbox).__name__}, not a Sandbox; "
+            "its entry point must name a Sandbox subclass (or a factory returning one)"
+        )
+    return sandbox

@@ -14,13 +14,15 @@ from typing import Any, Self
 
 import msgspec
 
+from agentroll.plugins import SANDBOXES
 from agentroll.types import ExecResult
 
 DEFAULT_MAX_OUTPUT = 64 * 1024
 
 
 class SandboxConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """Static sandbox limits.  ``backend`` is ``local`` or ``docker``.
+    """Static sandbox limits.  ``backend`` is ``local``, ``docker`` or the name of a sandbox
+    registered in entry point group ``agentroll.sandboxes`` (see ``agentroll.plugins``).
 
     Totals are per sandbox (all its processes together, enforced by cgroups where the host
     offers them): ``memory_mb``, ``pids``, ``cpus``.  Storage is size-capped: ``tmp_mb``
@@ -46,10 +48,7 @@ class SandboxConfig(msgspec.Struct, kw_only=True, frozen=True):
     options: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if self.backend not in ("local", "docker"):
-            raise ValueError(
-                f"sandbox backend {self.backend!r} is unknown; use 'local' or 'docker'"
-            )
+        SANDBOXES.check(self.backend)  # a ConfigError, which is a ValueError
         _check("timeout", self.timeout, 0.001, 86400.0, "seconds")
         _check("max_output", self.max_output, 256, 1 << 30, "bytes")
         _check("cpu_seconds", self.cpu_seconds, 1, 86400, "seconds")

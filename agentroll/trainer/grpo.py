@@ -25,7 +25,7 @@ from agentroll.engine.models.decoder import DecoderModel, load_model
 from agentroll.errors import ConfigError
 from agentroll.trainer.base import TrainStats
 from agentroll.trainer.batch import Batch
-from agentroll.trainer.objective import kv_lag_terms, ppo_objective
+from agentroll.trainer.objective import Objective, kv_lag_terms, ppo_objective
 from agentroll.trainer.packing import MIN_SHARED_PREFIX, _micro_batches, _TrainOps, common_prefix
 from agentroll.weights.exporter import WeightExporter
 from agentroll.weights.update import DTYPES, WeightUpdate, model_digest, state_checksums
@@ -111,7 +111,9 @@ class GRPOTrainer:
 
     ``GRPOTrainer(model_dir, GRPOConfig(...), version=0)`` loads fp32 master weights from a
     Hugging Face safetensors directory the engine can serve; ``version`` is the version the
-    replicas give those weights.  ``clock`` times steps (inject one in tests).  Not
+    replicas give those weights.  ``clock`` times steps (inject one in tests).
+    ``objective`` is the per-token objective of policy-gradient steps (``ppo_objective``;
+    a trainer algorithm may bring another, see ``agentroll.trainer.algorithm``).  Not
     thread-safe: call it from one thread (e.g. with ``asyncio.to_thread``).
     """
 
@@ -123,8 +125,10 @@ class GRPOTrainer:
         version: int = 0,
         device: str | torch.device = "cpu",
         clock: Callable[[], float] = time.perf_counter,
+        objective: Objective = ppo_objective,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.objective = objective
         self.config = cfg = config if config is not None else GRPOConfig()
         self.device = torch.device(device)
         self.clock = clock
@@ -377,7 +381,7 @@ class GRPOTrainer:
                 per_token = -logp
             else:
                 adv = batch.advantages[rows_t].to(self.device)
-                objective, ratio, clip_active = ppo_objective(
+                objective, ratio, clip_active = self.objective(
                     logp,
                     mu,
                     adv,

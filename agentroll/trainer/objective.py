@@ -7,13 +7,29 @@ of the log ratio stays finite without cutting the gradient.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from agentroll.trainer.grpo import GRPOConfig
+
+
+class Objective(Protocol):
+    """A per-token objective as ``ppo_objective``: ``(J, detached ratio, clip-active mask)``
+    from 1-D tensors over loss tokens; the trainer maximises ``J``."""
+
+    def __call__(
+        self,
+        logp: Tensor,
+        behaviour_logp: Tensor,
+        advantages: Tensor,
+        cap: Tensor | float,
+        *,
+        clip_low: float,
+        clip_high: float,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 _MAX_LOG_RATIO = 80.0  # exp(80) is finite in fp32; beyond it the token is hopeless anyway
