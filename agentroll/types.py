@@ -1,13 +1,9 @@
 """Records that cross process and disk boundaries: msgspec Structs, msgpack and JSON.
 
-Invariants:
-- every record round-trips losslessly through msgpack and JSON (NaN logprobs included);
-- per-token arrays of a Trajectory are numpy arrays of fixed dtype and are encoded as packed
-  little-endian bytes (base64 inside JSON), never element by element;
-- nothing here is pickled and nothing here does I/O;
-- a Trajectory and what it holds (Turn, Message, ToolCall, ToolResult) form a tree: these
-  types are ``gc=False`` (the cyclic GC never walks them: a lease decodes thousands at a
-  time), so a record must never be stored inside itself (it would leak, not crash).
+Invariants: every record round-trips losslessly through msgpack and JSON (NaN logprobs
+included); per-token arrays are numpy arrays of fixed dtype, encoded as packed little-endian
+bytes (base64 inside JSON); nothing here is pickled or does I/O; a Trajectory and what it
+holds are ``gc=False`` trees, so a record must never be stored inside itself.
 """
 
 from __future__ import annotations
@@ -62,6 +58,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("top_k must be >= 0 (0 disables it)")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+
+
+class SyncReport(msgspec.Struct, kw_only=True):
+    """What one weight update cost the fleet."""
+
+    strategy: str
+    version: int
+    seconds: float = 0.0
+    pause_ms: list[float] = []  # one entry per replica pause (stop -> resume)
+    busy_fraction: float = 0.0  # replica-time spent serving requests during the sync
+    step_fraction: float = 0.0  # replica-time spent inside engine steps during the sync
+    migrated: int = 0
+    tokens_recomputed: int = 0
+    failed: dict[str, str] = {}  # replica -> why its update failed (it left the rotation)
 
 
 def _as_token_array(name: str, values: Any, dtype: np.dtype[Any]) -> np.ndarray:
@@ -217,6 +227,11 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
     Per token: ``token_ids``, ``logprobs`` (NaN where not generated), ``loss_mask`` (1 exactly
     on sampled tokens), ``policy_version`` and ``kv_version`` (-1 where not generated).
     ``prompt_len`` is the length of the first rendered prompt.
+
+    A Trajectory and what it holds (Turn, Message, ToolCall, ToolResult) form a tree: these
+    types are ``gc=False`` (the cyclic GC never walks them: a lease decodes thousands at a
+    time), so a record stored inside itself would leak, not crash.  Per-token arrays are never
+    encoded element by element.
     """
 
     id: str

@@ -1,21 +1,20 @@
 """The Backend protocol: where tokens come from.
 
 A backend turns a ``GenerationRequest`` (prompt token ids + sampling) into a stream of
-``GenerationChunk``s.  Invariants: chunks carry exactly the sampled ids (token-in, token-out);
-every chunk's tokens share one ``policy_version`` and one ``kv_version`` (a backend starts a
-new chunk when either changes); the last chunk has ``finish_reason`` set; ``logprobs`` are
-those of the distribution actually sampled from.
+``GenerationChunk``s.  Invariants: chunks carry exactly the sampled ids; every chunk's tokens
+share one ``policy_version`` and one ``kv_version``; the last chunk has ``finish_reason``
+set; ``logprobs`` are those of the distribution actually sampled from.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import msgspec
 
-from agentroll.types import FinishReason, ResumePolicy, SamplingParams
+from agentroll.types import FinishReason, ResumePolicy, SamplingParams, Strategy, SyncReport
 
 if TYPE_CHECKING:
     from agentroll.chat import ChatTokenizer
@@ -36,7 +35,11 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 class GenerationChunk(msgspec.Struct, kw_only=True):
     """Newly sampled tokens, with provenance.  ``finish_reason`` is set on the last chunk.
     ``rollback`` > 0 tells the consumer to drop that many previously streamed tokens of this
-    request first (a ``restart`` resume regenerates the turn)."""
+    request first (a ``restart`` resume regenerates the turn).
+
+    A backend starts a new chunk when either version changes, so every chunk's tokens share
+    one ``policy_version`` and one ``kv_version``.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
@@ -161,3 +164,17 @@ class ReportsBusy(Protocol):
     def generating_seconds(self) -> float: ...
 
     steps: int
+
+
+@runtime_checkable
+class UpdatesInRotation(Protocol):
+    """Installs an update replica by replica with a strategy (a fleet); ``policies``, asked
+    when each replica pauses, gives the resume policy of each of its requests in flight."""
+
+    async def update(
+        self,
+        update: WeightUpdate,
+        *,
+        strategy: Strategy | None = None,
+        policies: Callable[[], Mapping[str, ResumePolicy]] | None = None,
+    ) -> SyncReport: ...

@@ -1,16 +1,9 @@
-"""A fleet of replicas behind the ``Backend`` protocol.
+"""A fleet of replicas behind the ``Backend`` protocol: routing, moving calls, weight updates.
 
-Role: ``FleetBackend`` routes each generation call to a replica (agentroll.fleet.router),
-moves calls between replicas (migration with the KV, or failover from a dead replica by
-recomputing from the tokens already delivered), and updates weights with a strategy
-(agentroll.fleet.strategies) while episodes keep running.
-
-Invariants: every call is served by exactly one replica at a time, through one pump task
-that copies the replica's stream into the call's queue; the tokens a consumer receives are
-never repeated or skipped when a call moves (a move continues from the snapshot truncated to
-what was delivered; sampling is counter-based, so the continuation is the same as staying);
-a call is lost only when no replica is left; a replica whose update failed keeps its old
-version and leaves the rotation; nothing is routed to a replica that is not ``active``.
+Invariants: every call is served by exactly one replica at a time; the tokens a consumer
+receives are never repeated or skipped when a call moves; a call is lost only when no
+replica is left; a replica whose update failed keeps its old version and leaves the
+rotation; nothing is routed to a replica that is not ``active``.
 """
 
 from __future__ import annotations
@@ -24,11 +17,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest, ResumePolicy
+from agentroll.backends.base import (
+    Backend,
+    GenerationChunk,
+    GenerationRequest,
+    ResumePolicy,
+    UpdatesInRotation,
+)
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
 from agentroll.fleet.router import ReplicaStatus, Router
-from agentroll.types import Strategy
+from agentroll.types import Strategy, SyncReport
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
@@ -37,20 +36,6 @@ logger = logging.getLogger("agentroll.fleet")
 
 STRATEGIES: tuple[Strategy, ...] = ("pause", "rolling", "drain", "background")
 PolicySource = Callable[[], Mapping[str, ResumePolicy]]
-
-
-class SyncReport(msgspec.Struct, kw_only=True):
-    """What one weight update cost the fleet."""
-
-    strategy: str
-    version: int
-    seconds: float = 0.0
-    pause_ms: list[float] = []  # one entry per replica pause (stop -> resume)
-    busy_fraction: float = 0.0  # replica-time spent serving requests during the sync
-    step_fraction: float = 0.0  # replica-time spent inside engine steps during the sync
-    migrated: int = 0
-    tokens_recomputed: int = 0
-    failed: dict[str, str] = {}  # replica -> why its update failed (it left the rotation)
 
 
 class FleetStats(msgspec.Struct, kw_only=True):
@@ -106,13 +91,21 @@ def _release_hold(snapshot: Any) -> None:
         hold.release()
 
 
-class FleetBackend(Backend):
+class FleetBackend(Backend, UpdatesInRotation):
     """``FleetBackend([LocalReplica(TorchBackend(m)), ...], strategy="rolling")``.
 
     ``pin_versions``: an episode stays on the version its first call got (the rolling
     strategy waits for pinned episodes before retiring their version).  ``in_flight``: what a
     rolling group does with calls in flight, ``migrate`` them (with their KV) or ``finish``
     them first.
+
+    Each generation call goes to a replica (``agentroll.fleet.router``) and can move between
+    replicas: migration with the KV, or failover from a dead replica by recomputing from the
+    tokens already delivered.  Weights are updated with a strategy
+    (``agentroll.fleet.strategies``) while episodes keep running.  One pump task per call copies
+    the replica's stream into the call's queue; a move continues from the snapshot truncated to
+    what was delivered, and sampling is counter-based, so the continuation is the same as
+    staying.
     """
 
     name = "fleet"

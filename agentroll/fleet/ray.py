@@ -1,16 +1,9 @@
 """A replica whose ``TorchBackend`` lives in a Ray actor (DESIGN.md "Fleet").
 
-Role: ``RayReplica`` is the client half, in the fleet's process; ``_ReplicaHost`` is the
-actor half, holding the backend in the actor's event loop.  A stream runs as a pump task in
-the actor that buffers the backend's chunks per request; the client fetches them with
-``take`` calls, one in flight at a time, each returning every chunk buffered so far.
-
 Invariants: ray is imported only when a ``RayReplica`` is made; a dead actor surfaces as
 ``ReplicaDown`` from every call, streams in flight included, and the replica is never used
-again; an error raised by a call in the actor is re-raised as itself, a stream's error as
-``BackendError`` with its message; a stream the client stops consuming is aborted in the
-actor; ``version`` changes only with the results of ``start``/``apply``/``swap``; snapshots
-cross processes with tensors that own their bytes (no view drags a larger tensor along).
+again; a stream the client stops consuming is aborted in the actor; ``version`` changes only
+with the results of ``start``/``apply``/``swap``.
 """
 
 from __future__ import annotations
@@ -255,6 +248,14 @@ class RayReplica(Replica):
     (``ray.init(...)``); ``start`` creates the actor and returns once the model is loaded.
 
     Raises ``MissingDependencyError`` (an ``ImportError``) when ray is not installed.
+
+    ``RayReplica`` is the client half, in the fleet's process; ``_ReplicaHost`` is the actor
+    half, holding the backend in the actor's event loop.  A stream runs as a pump task in the
+    actor that buffers the backend's chunks per request; the client fetches them with ``take``
+    calls, one in flight at a time, each returning every chunk buffered so far.  An error
+    raised by a call in the actor is re-raised as itself, a stream's error as ``BackendError``
+    with its message; snapshots cross processes with tensors that own their bytes (no view
+    drags a larger tensor along).
     """
 
     def __init__(

@@ -1,14 +1,9 @@
-"""Replicas: one generation engine each, behind one async interface.
-
-Role: the router and the update strategies talk to ``Replica`` only, so the same fleet
-code drives replicas in this process (``LocalReplica`` over any ``Backend``) and replicas
-in Ray actors (``agentroll.fleet.ray.RayReplica``).
+"""Replicas: one generation engine each, behind one async interface (``Replica``).
 
 Invariants: a replica's ``version`` is the version its next token is sampled with and
-changes only inside ``apply``/``swap`` (which run while it is paused, so no forward pass
-mixes two versions); ``generate``/``restore`` streams follow the Backend chunk contract
-(agentroll.backends.base); ``busy_seconds`` only grows and counts wall time spent in
-forward passes; a replica that raised ``ReplicaDown`` is never used again.
+changes only inside ``apply``/``swap``, while paused; streams follow the Backend chunk
+contract (agentroll.backends.base); ``busy_seconds`` only grows; a replica that raised
+``ReplicaDown`` is never used again.
 """
 
 from __future__ import annotations
@@ -41,7 +36,14 @@ class ReplicaDown(BackendError):
 
 
 class Replica(abc.ABC):
-    """A generation engine the fleet can route to, pause, update and migrate from."""
+    """A generation engine the fleet can route to, pause, update and migrate from.
+
+    The router and the update strategies talk to ``Replica`` only, so the same fleet code drives
+    replicas in this process (``LocalReplica`` over any ``Backend``) and replicas in Ray actors
+    (``agentroll.fleet.ray.RayReplica``).  ``apply``/``swap`` run while the replica is paused,
+    so no forward pass mixes two versions; ``busy_seconds`` counts wall time spent in forward
+    passes.
+    """
 
     name: str = "replica"
 

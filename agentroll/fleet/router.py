@@ -1,17 +1,8 @@
 """Routing generation calls to replicas (pure logic, no I/O).
 
-Role: the fleet asks ``Router.pick`` which replica serves a call and tells the router when
-calls start and end and when replicas change status or version.
-
-Rules, in order: only ``active`` replicas take new calls; a pinned episode only goes to a
-replica at its pinned version; an episode goes back to the replica that served its previous
-call (its prefix KV is cached there) unless that replica carries more than
-``affinity_slack`` calls above the least-loaded candidate; otherwise the least-loaded
-candidate (load relative to capacity), ties broken by name.  ``pick`` returns ``None`` when
-no replica may take the call now (the caller waits for ``changed``).
-
-Invariants: loads never go negative; a replica that is ``down`` is never picked again;
-``forget`` drops every trace of an episode (no unbounded growth over a long run).
+Invariants: only ``active`` replicas take new calls; a pinned episode only goes to a replica
+at its pinned version; loads never go negative; a replica that is ``down`` is never picked
+again; ``forget`` drops every trace of an episode (no unbounded growth over a long run).
 """
 
 from __future__ import annotations
@@ -33,7 +24,17 @@ class ReplicaSlot:
 
 
 class Router:
-    """Least-loaded routing with episode affinity and version pinning."""
+    """Least-loaded routing with episode affinity and version pinning.
+
+    The fleet asks ``pick`` which replica serves a call and tells the router when calls start
+    and end and when replicas change status or version.  Rules, in order: only ``active``
+    replicas take new calls; a pinned episode only goes to a replica at its pinned version; an
+    episode goes back to the replica that served its previous call (its prefix KV is cached
+    there) unless that replica carries more than ``affinity_slack`` calls above the
+    least-loaded candidate; otherwise the least-loaded candidate (load relative to capacity),
+    ties broken by name.  ``pick`` returns ``None`` when no replica may take the call now (the
+    caller waits for ``changed``).
+    """
 
     def __init__(self, *, affinity_slack: int = 2) -> None:
         if affinity_slack < 0:

@@ -1,27 +1,8 @@
-"""Weight-update strategies of a fleet (DESIGN.md "Fleet").
+"""Weight-update strategies of a fleet: ``pause``, ``rolling``, ``drain``, ``background``.
 
-Each strategy is ``async def S(fleet, update, names, report, policies)``: it installs
-``update`` on the replicas ``names`` of ``fleet`` (a ``FleetBackend``), records what it cost
-in ``report`` (pause lengths per replica, failures) and leaves every replica that took the
-update ``active`` at the new version.
-
-- ``pause``: every replica stops at a token boundary, applies, resumes (in-flight requests
-  under their resume policy).  Shortest sync, the whole fleet stalls for it.
-- ``rolling``: every replica first verifies the update into a second copy while still
-  generating (where memory allows; else it applies while paused); then replicas are updated
-  ``group_size`` at a time: a group stops taking calls, its in-flight calls migrate at once
-  to the other replicas with their KV (``in_flight="migrate"``, the default: the sync takes
-  a few pauses; between replicas in one process the KV is held where it is and read by the
-  replica the call moves to, so the pause copies nothing) or finish there first
-  (``in_flight="finish"``: the sync lasts as long as the longest call, up to
-  ``drain_timeout``, after which the rest migrates), it installs the update and rejoins,
-  so the others keep generating throughout.  With pinned episodes the
-  last replicas of a version wait until no live episode is pinned to it.
-- ``drain``: no new calls; every in-flight call finishes; then apply everywhere.
-- ``background``: each replica verifies the update into a second copy of the touched
-  tensors while it keeps generating, then swaps it in at a token boundary (one memcpy of
-  pause).  Refused, with nothing changed, when the second copy does not fit in memory.
-
+Each is ``async def S(fleet, update, names, report, policies)``: it installs ``update`` on
+the replicas ``names``, records what it cost in ``report`` (pause lengths, failures) and
+leaves every replica that took it ``active`` at the new version (DESIGN.md "Fleet").
 Invariant: a replica applies only while paused, so no forward pass mixes two versions.
 """
 
@@ -35,7 +16,8 @@ from agentroll.errors import WeightSyncError
 from agentroll.fleet.replica import ReplicaDown
 
 if TYPE_CHECKING:
-    from agentroll.fleet.backend import FleetBackend, PolicySource, SyncReport
+    from agentroll.fleet.backend import FleetBackend, PolicySource
+    from agentroll.types import SyncReport
 
 
 def _idle(fleet: FleetBackend, group: list[str]) -> Any:
@@ -87,6 +69,9 @@ async def pause(
     report: SyncReport,
     policies: PolicySource | None,
 ) -> None:
+    """Every replica stops at a token boundary, applies, resumes (in-flight requests under their
+    resume policy).  Shortest sync; the whole fleet stalls for it.
+    """
     paused_at = {}
     for n in names:
         paused_at[n] = time.perf_counter()
@@ -185,6 +170,18 @@ async def rolling(
     report: SyncReport,
     policies: PolicySource | None,
 ) -> None:
+    """Update ``group_size`` replicas at a time while the others keep generating.
+
+    Every replica first verifies the update into a second copy while still generating (where
+    memory allows; else it applies while paused); then a group stops taking calls, its
+    in-flight calls migrate at once to the other replicas with their KV
+    (``in_flight="migrate"``, the default: the sync takes a few pauses; between replicas in one
+    process the KV is held where it is and read by the replica the call moves to, so the pause
+    copies nothing) or finish there first (``in_flight="finish"``: the sync lasts as long as the
+    longest call, up to ``drain_timeout``, after which the rest migrates), it installs the
+    update and rejoins.  With pinned episodes the last replicas of a version wait until no live
+    episode is pinned to it.
+    """
     # Least-loaded replicas first: they have the fewest calls to move, and once updated they
     # take the calls of the next group.
     names = sorted(names, key=lambda n: (len(fleet.calls_on(n)), n))
@@ -261,6 +258,7 @@ async def drain(
     report: SyncReport,
     policies: PolicySource | None,
 ) -> None:
+    """No new calls; every in-flight call finishes; then apply everywhere."""
     t0 = time.perf_counter()
     for n in names:
         fleet._set_status(n, "draining")
@@ -276,6 +274,10 @@ async def background(
     report: SyncReport,
     policies: PolicySource | None,
 ) -> None:
+    """Each replica verifies the update into a second copy of the touched tensors while it keeps
+    generating, then swaps it in at a token boundary (one memcpy of pause).  Refused, with
+    nothing changed, when the second copy does not fit in memory.
+    """
     results = await asyncio.gather(
         *(fleet.replicas[n].stage(update, max_bytes=fleet.background_max_bytes) for n in names),
         return_exceptions=True,

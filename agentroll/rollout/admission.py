@@ -1,10 +1,9 @@
-"""Episode admission control under a staleness bound (pure logic, injected clock).
+"""Episode admission control under a staleness bound (pure logic, injected clock, no I/O).
 
-Role: ``AdmissionController`` says whether a new group of episodes may start now, so that
-it will very likely be consumed by the trainer within ``max_staleness`` versions of the
-weights it starts with.  Invariants: the quota rule is exact for a trainer that consumes
-``batch_size`` trajectories per step in order; the duration rule only ever refuses while a
-batch is outstanding, so it cannot starve a trainer that waits for data; no I/O.
+``AdmissionController`` says whether a new group of episodes may start now, so that it will
+very likely be consumed within ``max_staleness`` versions of the weights it starts with.
+Invariants: the quota rule is exact for a trainer that consumes ``batch_size`` trajectories
+per step in order; the duration rule cannot starve a trainer that waits for data.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Trajectory buffer between rollout episodes and the trainer (admission: agentroll.rollout.admission).
 
-Role: ``TrajectoryBuffer`` holds finished groups (all samples of one task) until a trainer
-leases and acknowledges them.
 Invariants: nothing is lost (put + restored = acked + dropped_stale + queued + leased);
-groups are handed out whole, FIFO, never split across leases; with ``on_stale="drop"`` no
-trajectory is handed out with ``trainer_version - min policy_version > max_staleness``; held
-trajectories (queued + leased) never exceed ``capacity`` except through ``restore``.
-Pure logic on asyncio primitives: no I/O, no threads; time comes from an injected clock.
+groups are handed out whole, FIFO; with ``on_stale="drop"`` no trajectory is handed out more
+than ``max_staleness`` versions stale; held trajectories never exceed ``capacity`` except
+through ``restore``.  Pure logic on asyncio primitives, an injected clock; no I/O, no threads.
 """
 
 from __future__ import annotations
@@ -137,6 +134,10 @@ class TrajectoryBuffer:
     ``on_drop`` is called with the trajectories of each group dropped as stale (e.g. to
     move them to the spool's dropped segment); it runs after the buffer's state is
     consistent.
+
+    It holds finished groups (all samples of one task) until a trainer leases and acknowledges
+    them; a group is never split across leases.  Stale means ``trainer_version - min
+    policy_version > max_staleness``; held trajectories are queued + leased.
     """
 
     def __init__(

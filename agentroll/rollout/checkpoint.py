@@ -1,24 +1,9 @@
 """Episode checkpoints: everything an in-flight episode needs to continue elsewhere.
 
-Role: ``EpisodeRun`` is the live state of one episode inside the rollout engine (task,
-seeds, environment copy, trajectory so far, the generation in flight); ``EpisodeCheckpoint``
-is its on-disk form; ``EpisodeJob`` is a sample of a started group that has no episode yet
-(a stop persists these so the group is completed after the restart).  A checkpoint is taken
-only at a quiescent point: at the turn gate (``phase == "turn"``: the next turn has not
-started; tool results of the last turn are in) or with the generation paused in the backend
-(``phase == "generating"``: ``pending`` holds the request's tokens so far, its sampler seed
-and optionally its KV blocks).
-
-Invariants: a checkpoint directory is written atomically (temp directory + rename); every
-checkpoint file (``episode.msgpack``, ``job.msgpack``, ``unstarted.msgpack``,
-``finished.msgpack``) is framed: magic, kind, frame version, payload length and the xxh3-128
-of header and payload, and ``episode.msgpack`` holds the xxh3-128 of every file beside it
-(``sandbox.tar``, ``request/``).  A file that fails any check is refused with a
-``CheckpointError`` naming it (unframed files of older versions too): nothing of it is used,
-and ``scan_checkpoints`` tells the caller which sample to restart from its task instead
-(``job.msgpack``).  The per-token arrays, turns and messages are restored exactly, so a
-restored episode finishes with the same trajectory an uninterrupted one would (seeded,
-weights unchanged); the sampler needs no state beyond the seed and the token count.
+Invariants: a checkpoint is taken only at a quiescent point and its directory is written
+atomically; every file is framed and checksummed, and a file that fails any check is
+refused with a ``CheckpointError`` naming it, nothing of it used; a restored episode
+finishes with the same trajectory an uninterrupted one would (seeded, weights unchanged).
 """
 
 from __future__ import annotations
@@ -58,7 +43,13 @@ _STOPPED = "nothing of it is used; the stopped run cannot continue without it"
 
 
 def frame(kind: bytes, payload: bytes) -> bytes:
-    """``payload`` behind the checkpoint header (see the module docstring)."""
+    """``payload`` behind the checkpoint header.
+
+    The header is magic, kind, frame version and payload length, followed by the xxh3-128 of
+    header and payload.  Every checkpoint file (``episode.msgpack``, ``job.msgpack``,
+    ``unstarted.msgpack``, ``finished.msgpack``) is framed, and ``episode.msgpack`` holds the
+    xxh3-128 of every file beside it (``sandbox.tar``, ``request/``).
+    """
     head = _HEAD.pack(_MAGIC, kind, FRAME_VERSION, len(payload))
     digest = xxhash.xxh3_128(head)
     digest.update(payload)
@@ -181,7 +172,13 @@ class EpisodeRun:
 
 
 class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
-    """The serialisable form of an ``EpisodeRun`` (see the module docstring)."""
+    """The serialisable form of an ``EpisodeRun``.
+
+    ``EpisodeRun`` is the live state of one episode inside the rollout engine (task, seeds,
+    environment copy, trajectory so far, the generation in flight); this is its on-disk form.
+    The per-token arrays, turns and messages are restored exactly, and the sampler needs no
+    state beyond the seed and the token count.
+    """
 
     format: int = FORMAT
     task: Task
@@ -378,7 +375,12 @@ def scan_checkpoints(
 ) -> tuple[list[EpisodeCheckpoint], list[CorruptCheckpoint]]:
     """Every episode checkpoint under ``directory`` (temp leftovers ignored), ordered by
     episode id: those that load, and those refused (``CorruptCheckpoint``: the file, why,
-    and the sample to restart).  Reads only; the caller decides what to remove."""
+    and the sample to restart).  Reads only; the caller decides what to remove.
+
+    A file that fails any check (unframed files included) is refused: nothing of it is used,
+    and the ``CorruptCheckpoint`` tells the caller which sample to restart from its task
+    instead (``job.msgpack``).
+    """
     d = Path(directory)
     good: list[EpisodeCheckpoint] = []
     bad: list[CorruptCheckpoint] = []
@@ -408,7 +410,13 @@ def load_checkpoints(directory: str | Path) -> list[EpisodeCheckpoint]:
 def make_checkpoint(
     run: EpisodeRun, *, sandbox_blob: bytes | None, pending: Any
 ) -> EpisodeCheckpoint:
-    """The checkpoint of ``run`` at a quiescent point (see the module docstring)."""
+    """The checkpoint of ``run`` at a quiescent point.
+
+    A quiescent point is the turn gate (``phase == "turn"``: the next turn has not started; tool
+    results of the last turn are in) or a generation paused in the backend (``phase ==
+    "generating"``: ``pending`` holds the request's tokens so far, its sampler seed and
+    optionally its KV blocks).  The directory is written atomically (temp directory + rename).
+    """
     if run.phase not in ("turn", "generating"):
         raise ValueError(f"episode {run.episode_id} is not quiescent (phase {run.phase!r})")
     b, st = run.builder, run.state

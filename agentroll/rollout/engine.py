@@ -1,18 +1,9 @@
 """The asyncio episode engine: many multi-turn, tool-using episodes at once.
 
-Invariants (DESIGN.md 1-3, 6, 8): the prompt is rendered once and every later request's
-prompt is the trajectory so far (sampled ids appended verbatim, environment replies rendered
-incrementally); the tokens end on the last sampled turn, ``messages`` also holds the reply the
-episode ended on; ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
-``failed`` trajectory and never cancels its siblings; cancellation propagates and sandboxes
-are closed shielded from it; every worker task belongs to the engine's task group.
-``pause`` / ``resume`` (agentroll.rollout.pause) are invisible to environment code: a turn waits at
-the gate, a generation waits in the backend, deadlines exclude paused time; ``checkpoint``
-writes every in-flight episode at a quiescent point so another process can finish it, and
-``take_undelivered`` hands back every episode that finished but that ``run`` had not yielded
-(its consumer was busy, or the episode waited for its group) and ``take_unstarted`` every
-sample of a started group that has neither finished nor a checkpoint, so a stop loses none
-and leaves no group waiting forever for a member nobody runs.
+Invariants (DESIGN.md 1-3, 6, 8): a later request's prompt is the trajectory so far, sampled
+ids verbatim; ``loss_mask`` is 1 exactly on sampled tokens; a failing episode becomes a
+``failed`` trajectory and never cancels its siblings; every worker task belongs to the
+engine's task group; pauses are invisible to environment code; a ``stop`` loses nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -41,6 +33,7 @@ from agentroll.backends.base import (
     ResumePolicy,
     SamplingParams,
     SupportsSnapshot,
+    UpdatesInRotation,
 )
 from agentroll.chat import ChatTokenizer, get_tool_parser
 from agentroll.env import Environment
@@ -49,13 +42,8 @@ from agentroll.progress import Progress, ProgressMode
 from agentroll.rollout.builder import TrajectoryBuilder
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeJob, EpisodeRun, make_checkpoint
 from agentroll.rollout.episode_loop import EpisodeLoop, _finite, _Outcome, episode_seed
-from agentroll.rollout.pause import EpisodeView, PauseController, PolicyFn
-from agentroll.types import (
-    Task,
-    Trajectory,
-    new_id,
-    unicode_safe,
-)
+from agentroll.rollout.pause import EpisodeView, PauseController, PolicyFn, as_policy_fn
+from agentroll.types import Strategy, SyncReport, Task, Trajectory, new_id, unicode_safe
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
@@ -108,6 +96,19 @@ class RolloutEngine(EpisodeLoop):
     ``async with RolloutEngine(backend, env, config, tokenizer=tok) as engine:`` then
     ``async for traj in engine.run(tasks): ...``.  The engine owns its worker tasks and the
     thread pool for sync hooks and tools; leaving the block cancels what still runs.
+
+    The prompt is rendered once and every later request's prompt is the trajectory so far
+    (sampled ids appended verbatim, environment replies rendered incrementally); the tokens end
+    on the last sampled turn, ``messages`` also holds the reply the episode ended on.
+    Cancellation propagates and sandboxes are closed shielded from it.
+
+    ``pause`` / ``resume`` (agentroll.rollout.pause) are invisible to environment code: a turn
+    waits at the gate, a generation waits in the backend, deadlines exclude paused time.
+    ``checkpoint`` writes every in-flight episode at a quiescent point so another process can
+    finish it; ``stop`` also hands back every episode that finished but that ``run`` had not
+    yielded (its consumer was busy, or the episode waited for its group) and every sample of a
+    started group that has neither finished nor a checkpoint, so a stop loses none and leaves
+    no group waiting forever for a member nobody runs.
     """
 
     def __init__(
@@ -214,16 +215,48 @@ class RolloutEngine(EpisodeLoop):
         return await self.pauses.resume(policies)
 
     async def sync(
-        self, update: WeightUpdate, *, policy: ResumePolicy | PolicyFn = "keep"
-    ) -> float:
-        """Pause, apply a ``WeightUpdate`` to the backend, resume; returns the pause length.
-        A refused update raises ``WeightSyncError`` after resuming on the old weights."""
+        self,
+        update: WeightUpdate,
+        *,
+        policy: ResumePolicy | PolicyFn = "keep",
+        strategy: Strategy | None = None,
+    ) -> SyncReport:
+        """Install a ``WeightUpdate`` while episodes go on: the one entry point for a sync.
+
+        ``policy`` (a ``ResumePolicy``, or a function of ``EpisodeView`` such as
+        ``staleness_policy(1)``) decides how each generation in flight resumes.  On a fleet
+        (``UpdatesInRotation``) the replicas are updated in turn with ``strategy`` (default:
+        the fleet's), each asking ``policy`` for its requests when it pauses; on a single
+        backend the engine pauses, applies and resumes (``strategy`` must then be None or
+        ``"pause"``).  A refused update raises ``WeightSyncError`` with the old weights
+        still serving."""
+        backend = self.backend
+        if isinstance(backend, UpdatesInRotation):
+            choose = as_policy_fn(policy)
+            return await backend.update(
+                update,
+                strategy=strategy,
+                policies=None
+                if policy == "keep"
+                else lambda: self.pauses.policies(update.version, choose),
+            )
+        if strategy not in (None, "pause"):
+            raise ConfigError(
+                f"strategy {strategy!r} needs a fleet (FleetBackend); a single backend "
+                "syncs with the pause strategy"
+            )
+        t0 = time.perf_counter()
         await self.pause(policy)
         try:
-            await self.backend.apply(update)
+            await backend.apply(update)
         finally:
             paused_for = await self.resume()
-        return paused_for
+        return SyncReport(
+            strategy="pause",
+            version=update.version,
+            seconds=time.perf_counter() - t0,
+            pause_ms=[paused_for * 1000.0],
+        )
 
     def _quiescent(self, run: EpisodeRun, inflight: set[str] | None) -> bool:
         if run.phase == "turn":

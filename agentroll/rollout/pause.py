@@ -1,17 +1,9 @@
 """Engine-level pause: quiesce every in-flight episode for a weight sync, then resume.
 
-Role: the rollout engine owns one ``PauseController``.  ``pause`` closes the turn gate (no
-episode starts a new generation) and pauses the backend, which stops every generation at a
-token boundary; tool calls already running go on and their results are kept.  ``resume``
-resumes the backend with a resume policy per request (chosen per episode by a
-``PolicyFn``) and reopens the gate.  Every tracked deadline is frozen while paused (disarmed
-at ``pause``, re-armed at ``resume`` with the time it had left), so a sync never makes an
-episode or a generation time out, however long it lasts.
-
 Invariants (DESIGN.md 3, 4): environment code never sees a pause (its ``await`` just takes
-longer); the policy of every paused request is explicit (``keep``, ``recompute`` or
-``restart``); pause/resume are idempotent and serialised (one pause at a time); the gate,
-the policies and the deadline arithmetic are pure logic with no I/O.
+longer); a sync never makes an episode or a generation time out; the policy of every paused
+request is explicit (``keep``, ``recompute`` or ``restart``); pause/resume are idempotent and
+serialised; the gate, the policies and the deadline arithmetic are pure logic with no I/O.
 """
 
 from __future__ import annotations
@@ -142,6 +134,13 @@ class PauseController:
 
     ``views`` is called (on the event loop, while paused) to describe the episodes whose
     generation is in flight; the policy function turns each into a resume policy.
+
+    The rollout engine owns one.  ``pause`` closes the turn gate (no episode starts a new
+    generation) and pauses the backend, which stops every generation at a token boundary; tool
+    calls already running go on and their results are kept.  ``resume`` resumes the backend
+    with a resume policy per request (chosen per episode by a ``PolicyFn``) and reopens the
+    gate.  Every tracked deadline is frozen while paused (disarmed at ``pause``, re-armed at
+    ``resume`` with the time it had left), however long the sync lasts.
     """
 
     def __init__(
@@ -196,13 +195,17 @@ class PauseController:
                 self.gate.open(self._clock())
                 raise
 
-    def policies(self, target_version: int | None = None) -> dict[str, ResumePolicy]:
-        """The resume policy of every in-flight request, by request id."""
+    def policies(
+        self, target_version: int | None = None, policy: PolicyFn | None = None
+    ) -> dict[str, ResumePolicy]:
+        """The resume policy of every in-flight request, by request id, under ``policy``
+        (default: the one given to ``pause``)."""
+        choose = policy or self.policy
         out: dict[str, ResumePolicy] = {}
         for view in self._views():
             if target_version is not None:
                 view = msgspec.structs.replace(view, target_version=target_version)
-            out[view.request_id] = check_policy(self.policy(view))
+            out[view.request_id] = check_policy(choose(view))
         return out
 
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> float:

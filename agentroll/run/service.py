@@ -1,18 +1,9 @@
 """The recipe-driven rollout worker: episodes on a fleet, groups to a served trajectory stream.
 
-Role: ``RolloutService`` builds the recipe's environment and replicas, runs episodes forever
-(tasks cycled in seeded epochs) under admission control, publishes every finished group to a
-``TrajectoryStream`` (spool first, then the buffer) served over HTTP, and applies the weights
-a trainer pushes with the recipe's sync strategy and resume policy, while episodes go on.
-Invariants: a group is published only whole; nothing finished is dropped at a stop (in-flight
-episodes are checkpointed; finished members of unfinished groups, and finished episodes the
-engine still held because the producer was busy publishing, are saved beside them, and so
-are the samples of started groups that have no episode yet; the next start continues all
-three, so every group it began is published whole, and keeps the saved files until those
-groups are durable in the spool, skipping at a later start what a killed run published of
-them); an episode whose checkpoint is refused as corrupt restarts from its task under its
-id (counted in ``checkpoints_corrupt``) while the others continue; every sync, counter and
-busy/idle interval is written to ``<run_dir>/<component>.jsonl`` (``agentroll.run.metrics``).
+Invariants: a group is published only whole; nothing finished is dropped at a stop, and the
+next start continues it; an episode whose checkpoint is refused as corrupt restarts from its
+task under its id while the others continue; every sync, counter and busy/idle interval is
+written to ``<run_dir>/<component>.jsonl`` (``agentroll.run.metrics``).
 """
 
 from __future__ import annotations
@@ -29,7 +20,6 @@ from typing import Any
 
 import msgspec
 
-from agentroll.backends.base import ResumePolicy
 from agentroll.errors import ConfigError
 from agentroll.rollout.admission import AdmissionController
 from agentroll.rollout.buffer import BufferConfig
@@ -43,16 +33,18 @@ from agentroll.rollout.checkpoint import (
     save_jobs,
     scan_checkpoints,
 )
-from agentroll.rollout.engine import RolloutEngine
+from agentroll.rollout.engine import RolloutEngine, StopReport
 from agentroll.run.build import (
     build_backend,
     build_environment,
     cycle_tasks,
     local_weight_layout,
+    resume_policy,
     rollout_config,
 )
 from agentroll.run.metrics import MetricsWriter
 from agentroll.run.recipe import Recipe
+from agentroll.run.worker import drive
 from agentroll.stream.api import serve_stream
 from agentroll.stream.auth import TOKEN_FILE, check_token, ensure_token
 from agentroll.stream.server import StreamConfig, TrajectoryStream
@@ -97,6 +89,22 @@ class RolloutService:
     bearer token (default: the recipe's ``stream.token_env`` variable, else the one in
     ``<run_dir>/stream.token``, else a new one); it is written to ``<run_dir>/stream.token``
     (mode 0600) at start, where trainers find it (``agentroll.stream.auth.load_token``).
+
+    At a stop, in-flight episodes are checkpointed; finished members of groups not yet
+    whole, and finished episodes the engine still held because the producer was busy
+    publishing, are saved beside them (``FINISHED``), and so are the samples of started
+    groups that have no episode yet (``UNSTARTED``).  The next start continues all three,
+    so every group it began is published whole, keeps the saved files until those groups
+    are durable in the spool, and skips what a killed run published of them.  An episode
+    whose checkpoint is refused as corrupt restarts from its task under its id (counted in
+    ``checkpoints_corrupt``).  Every sync, counter and busy/idle interval is written to
+    ``<run_dir>/<component>.jsonl`` (``agentroll.run.metrics``).
+
+    The service builds the recipe's environment and replicas, runs episodes forever (tasks
+    cycled in seeded epochs) under admission control, publishes every finished group to a
+    ``TrajectoryStream`` (spool first, then the buffer) served over HTTP, and applies the
+    weights a trainer pushes with the recipe's sync strategy and resume policy, while episodes
+    go on.
     """
 
     def __init__(
@@ -216,14 +224,12 @@ class RolloutService:
         return check
 
     async def _on_weights(self, update: WeightUpdate) -> None:
-        fleet = self.backend
+        fleet, engine = self.backend, self.engine
+        assert engine is not None  # the engine starts before the stream is served
         inflight = await fleet.inflight_calls()
         before = msgspec.structs.replace(fleet.stats)
-        policy: ResumePolicy = self.recipe.sync.policy
         t0 = time.time()
-        report = await fleet.update(
-            update, policies=None if policy == "keep" else lambda: dict.fromkeys(inflight, policy)
-        )
+        report = await engine.sync(update, policy=resume_policy(self.recipe.sync))
         t1 = time.time()
         after = fleet.stats
         self.counters["syncs"] += 1
@@ -407,23 +413,22 @@ class RolloutService:
         logger.info("skipping %d groups the last run published before it was killed", len(done))
         return keep_cps, keep_stopped, keep_jobs
 
-    async def _checkpoint(self, engine: RolloutEngine, producer: asyncio.Task[None]) -> int:
-        """At a stop: episodes in flight to checkpoints; finished episodes not published
-        (members of unfinished groups, and ones the engine still held because the producer
-        was busy publishing) to ``FINISHED``; samples of started groups with neither
-        (no worker was free for them yet) to ``UNSTARTED``."""
+    # -- the Sink of ``drive``: groups to the stream, a stop's leftovers beside the checkpoints
 
-        async def leave() -> None:  # a group being published when cancelled is spooled
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+    async def deliver(self, group: list[Trajectory]) -> None:
+        await self._publish(group)
 
-        saved = await engine.stop(self.checkpoint_dir, leave=leave)
-        pending = saved.undelivered  # finished members of groups not yet whole, too
-        jobs = saved.unstarted
-        # what the last stop saved and is not published yet is among these again (the
-        # engine held it): the files are replaced
-        await asyncio.to_thread(self._save_stopped, pending, jobs)
-        return len(saved.checkpoints)
+    async def leave(self, consumer: asyncio.Task[None]) -> None:
+        consumer.cancel()  # a group being published when cancelled is in the spool already
+        await asyncio.gather(consumer, return_exceptions=True)
+
+    async def save(self, saved: StopReport) -> None:
+        """Finished episodes not published (members of groups not yet whole, and ones the
+        engine held because the producer was busy publishing) to ``FINISHED``; samples of
+        started groups with no episode to ``UNSTARTED``.  What the last stop saved and is
+        not published yet is among these again (the engine held it): the files are
+        replaced."""
+        await asyncio.to_thread(self._save_stopped, saved.undelivered, saved.unstarted)
 
     def _save_stopped(self, pending: list[Trajectory], jobs: list[EpisodeJob]) -> None:
         """Write (or remove) UNSTARTED and FINISHED, each replaced atomically."""
@@ -468,10 +473,11 @@ class RolloutService:
             )
             async with (
                 self.stream,
+                # before the stream is served: a weight push syncs through the engine
+                RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
                 serve_stream(
                     self.stream, host=recipe.stream.host, port=self.port, token=token
                 ) as url,
-                RolloutEngine(self.backend, env, rollout_config(recipe)) as engine,
             ):
                 self.engine = engine
                 checkpoints, stopped, unstarted = self._skip_published(
@@ -482,27 +488,22 @@ class RolloutService:
                     ready(url)
                 sampler = asyncio.create_task(self._sample_busy())
 
-                async def produce() -> None:
-                    async for group in engine.run_groups(
+                try:
+                    saved = await drive(
+                        engine,
+                        self,
+                        stop,
                         cycle_tasks(tasks, recipe.run.seed),
+                        checkpoint_dir=self.checkpoint_dir,
                         checkpoints=checkpoints,
                         finished=stopped,
                         unstarted=unstarted,
                         admit=self._admit,
-                    ):
-                        await self._publish(group)
-
-                producer = asyncio.create_task(produce())
-                stopper = asyncio.create_task(stop.wait())
-                try:
-                    await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                    if producer.done():
-                        producer.result()  # an engine error surfaces here
-                    checkpointed = await self._checkpoint(engine, producer)
+                    )
+                    checkpointed = len(saved.checkpoints) if saved is not None else 0
                 finally:
-                    for task in (producer, stopper, sampler):
-                        task.cancel()
-                    await asyncio.gather(producer, stopper, sampler, return_exceptions=True)
+                    sampler.cancel()
+                    await asyncio.gather(sampler, return_exceptions=True)
                     self._write_counters()
         finally:
             await self.backend.close()

@@ -1,8 +1,5 @@
 """Rollout worker: an environment's tasks on one backend, stoppable at any moment.
 
-Role: ``run_worker`` appends finished trajectories to an output file; SIGTERM (or SIGINT)
-pauses the engine, checkpoints every in-flight episode and flushes what finished; a worker
-started with that checkpoint directory (here or elsewhere) continues those episodes first.
 Invariants: every task ends up in the output exactly once (tasks already written or
 checkpointed are skipped); a trajectory is fsynced before its checkpoint is deleted; an
 episode whose checkpoint is refused as corrupt restarts from its task under its id.
@@ -18,17 +15,17 @@ import shutil
 import signal
 import struct
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from agentroll.backends.base import Backend
 from agentroll.chat import ChatTokenizer
 from agentroll.env import Environment
 from agentroll.errors import ConfigError
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeJob, scan_checkpoints
-from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine, StopReport
 from agentroll.types import (
     Task,
     Trajectory,
@@ -276,23 +273,108 @@ def _plan(
     return todo, fresh, restarts, sum(t.id in done_tasks for t in tasks), len(corrupt)
 
 
-async def _write_all(
-    run: AsyncIterator[Trajectory],
-    writer: TrajectoryWriter,
-    result: WorkerResult,
-    resumed_paths: dict[str, Path],
-    written: asyncio.Event,
-) -> None:
-    """Append what ``run`` yields to the output; a continued episode's checkpoint goes once
-    its trajectory is on disk."""
-    async with contextlib.aclosing(cast(AsyncGenerator[Trajectory, None], run)) as trajs:
-        async for traj in trajs:
-            await asyncio.to_thread(writer.write, traj)
-            result.written += 1
-            written.set()
-            path = resumed_paths.pop(traj.id, None)
+class Sink(Protocol):
+    """Where a rollout worker's finished groups go (a file, the trajectory stream)."""
+
+    async def deliver(self, group: list[Trajectory]) -> None:
+        """Make ``group`` (whole, by sample index) durable; it is delivered once done."""
+
+    async def leave(self, consumer: asyncio.Task[None]) -> None:
+        """At a stop, after the checkpoint: let ``consumer`` finish what it must deliver,
+        then cancel it and wait for it."""
+
+    async def save(self, saved: StopReport) -> None:
+        """Keep what the stop handed back for the next start (or know how to recompute it)."""
+
+
+async def drive(
+    engine: RolloutEngine,
+    sink: Sink,
+    stop: asyncio.Event,
+    tasks: Iterable[Task],
+    *,
+    checkpoint_dir: Path,
+    checkpoints: Iterable[EpisodeCheckpoint] = (),
+    finished: Iterable[Trajectory] = (),
+    unstarted: Iterable[EpisodeJob] = (),
+    admit: Callable[[int], Awaitable[None]] | None = None,
+    with_kv: bool = True,
+    timeout: float = 60.0,
+) -> StopReport | None:
+    """The rollout worker's loop, whatever its sink: whole groups from the engine to
+    ``sink`` until the tasks run out (returns None) or ``stop`` is set; then the engine's
+    stop protocol (checkpoint, ``sink.leave``, hand back) and ``sink.save``; returns the
+    stop's report.  An engine error surfaces here."""
+    groups = engine.run_groups(
+        tasks, checkpoints=checkpoints, finished=finished, unstarted=unstarted, admit=admit
+    )
+
+    async def consume() -> None:
+        async with contextlib.aclosing(cast(AsyncGenerator[list[Trajectory], None], groups)):
+            async for group in groups:
+                await sink.deliver(group)
+
+    consumer = asyncio.create_task(consume())
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer.done():
+            consumer.result()
+            return None
+        logger.info("worker: stopping; checkpointing in-flight episodes")
+        saved = await engine.stop(
+            checkpoint_dir,
+            leave=lambda: sink.leave(consumer),
+            with_kv=with_kv,
+            timeout=timeout,
+        )
+        await sink.save(saved)
+        return saved
+    finally:
+        stopper.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        await asyncio.gather(consumer, stopper, return_exceptions=True)
+
+
+class FileSink:
+    """Appends trajectories to the worker's output file; a continued episode's checkpoint
+    goes once its trajectory is on disk.  Nothing to save at a stop: the next start derives
+    what is left from the output and the checkpoints (``_plan``)."""
+
+    def __init__(
+        self,
+        writer: TrajectoryWriter,
+        result: WorkerResult,
+        resumed_paths: dict[str, Path],
+        engine: RolloutEngine,
+        timeout: float,
+    ) -> None:
+        self.writer, self.result, self.resumed_paths = writer, result, resumed_paths
+        self.engine, self.timeout = engine, timeout
+        self._written = asyncio.Event()
+
+    async def deliver(self, group: list[Trajectory]) -> None:
+        for traj in group:
+            await asyncio.to_thread(self.writer.write, traj)
+            self.result.written += 1
+            self._written.set()
+            path = self.resumed_paths.pop(traj.id, None)
             if path is not None:
                 await asyncio.to_thread(shutil.rmtree, path, True)
+
+    async def leave(self, consumer: asyncio.Task[None]) -> None:
+        # episodes that finished while the engine quiesced are written too: a write is never
+        # cancelled halfway (its thread would go on beside the next one)
+        async with asyncio.timeout(self.timeout):
+            while self.result.written < self.engine.stats["episodes"] and not consumer.done():
+                self._written.clear()
+                await self._written.wait()
+        consumer.cancel()
+        await asyncio.wait({consumer})
+
+    async def save(self, saved: StopReport) -> None:
+        self.result.checkpointed, self.result.stopped = len(saved.checkpoints), True
 
 
 async def run_worker(
@@ -348,40 +430,21 @@ async def run_worker(
 
     stop = asyncio.Event()
     signals = contextlib.ExitStack()
-    written = asyncio.Event()
     try:
         signals.enter_context(stop_on_signals(stop, stop_signals, grace=stop_grace))
         async with backend, RolloutEngine(backend, env, cfg, tokenizer=tokenizer) as engine:
-            run = engine.run(todo, checkpoints=fresh, unstarted=restarts)
-            consumer = asyncio.create_task(_write_all(run, writer, result, resumed_paths, written))
-            stopper = asyncio.create_task(stop.wait())
-            try:
-                await asyncio.wait({consumer, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if not consumer.done():
-                    logger.info("worker: stopping; checkpointing in-flight episodes")
-
-                    async def leave() -> None:
-                        # episodes that finished while the engine quiesced are written too
-                        async with asyncio.timeout(checkpoint_timeout):
-                            while result.written < engine.stats["episodes"] and not consumer.done():
-                                written.clear()
-                                await written.wait()
-                        consumer.cancel()
-                        await asyncio.wait({consumer})
-
-                    saved = await engine.stop(
-                        cp_dir, leave=leave, with_kv=with_kv, timeout=checkpoint_timeout
-                    )
-                    # one sample per task: a task neither written nor checkpointed runs
-                    # again from the task list at the next start (see _plan)
-                    result.checkpointed, result.stopped = len(saved.checkpoints), True
-                else:
-                    consumer.result()  # an engine error surfaces here
-            finally:
-                stopper.cancel()
-                if not consumer.done():
-                    consumer.cancel()
-                    await asyncio.wait({consumer})
+            sink = FileSink(writer, result, resumed_paths, engine, checkpoint_timeout)
+            await drive(
+                engine,
+                sink,
+                stop,
+                todo,
+                checkpoint_dir=cp_dir,
+                checkpoints=fresh,
+                unstarted=restarts,
+                with_kv=with_kv,
+                timeout=checkpoint_timeout,
+            )
     finally:
         signals.close()
         await asyncio.to_thread(writer.close)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from agentroll.fleet import strategies
-from agentroll.fleet.backend import SyncReport
+from agentroll.types import SyncReport
 
 
 class FakeFleet:

@@ -17,6 +17,7 @@ from agentroll.backends.base import GenerationChunk, GenerationRequest, Sampling
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
 from agentroll.env import Environment, EpisodeState, tool
+from agentroll.errors import ConfigError
 from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.rollout.pause import (
     EpisodeView,
@@ -359,6 +360,43 @@ async def test_sync_with_a_staleness_policy_on_the_mock_backend(tok: ChatTokeniz
     assert list(policies.values()) == ["recompute"]  # KV one version behind, budget 0
     gen = traj.policy_version[traj.loss_mask == 1].tolist()
     assert gen[0] == 0 and set(gen[1:]) == {1}
+
+
+async def test_sync_on_a_fleet_asks_the_policy_when_each_replica_pauses(
+    tok: ChatTokenizer,
+) -> None:
+    """``engine.sync`` is the one entry point on a fleet too: the fleet updates its
+    replicas with the strategy given, and each in-flight request resumes under what the
+    policy function chose for it (its KV one version behind, budget 0: recompute)."""
+    from agentroll.fleet import FleetBackend, LocalReplica
+
+    class Update:
+        version = 1
+
+    backend = Gated(["x y z"], tokenizer=tok, chunk_size=1, expect=1)
+    fleet = FleetBackend([LocalReplica(backend, name="r0")])
+    cfg = RolloutConfig(progress="off")
+    async with fleet, RolloutEngine(fleet, SlowTool(), cfg, tokenizer=tok) as engine:
+        consumer = asyncio.create_task(_collect(engine.run(go_tasks(1))))
+        await backend.arrived.wait()
+        report = await engine.sync(Update(), policy=staleness_policy(0), strategy="pause")  # type: ignore[arg-type]
+        backend.proceed.set()
+        [traj] = await consumer
+    assert report.strategy == "pause" and report.version == 1 and not report.failed
+    [(_, policies)] = [e for e in backend.events if e[0] == "resume"]
+    assert ("apply", 1) in backend.events
+    assert list(policies.values()) == ["recompute"]
+    gen = traj.policy_version[traj.loss_mask == 1].tolist()
+    assert gen[0] == 0 and set(gen[1:]) == {1}
+
+
+async def test_sync_on_one_backend_refuses_a_fleet_strategy(tok: ChatTokenizer) -> None:
+    backend = MockBackend(["x"], tokenizer=tok)
+    async with RolloutEngine(
+        backend, SlowTool(), RolloutConfig(progress="off"), tokenizer=tok
+    ) as engine:
+        with pytest.raises(ConfigError, match="needs a fleet"):
+            await engine.sync(object(), strategy="rolling")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])

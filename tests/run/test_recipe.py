@@ -156,3 +156,24 @@ def test_backend_kinds_build_their_replicas(tmp_path: Path) -> None:
     assert all(e.check.probe_tokens == 0 and not e.check.verify_served for e in engines)
     with pytest.raises(ConfigError, match="transfer_devices"):
         parse_recipe('[backend]\nkind = "vllm"\nweight_transfer = "nccl"\n')
+
+
+def test_the_staleness_rule_is_a_recipe_policy() -> None:
+    from agentroll.rollout.pause import EpisodeView
+    from agentroll.run.build import resume_policy
+
+    recipe = parse_recipe('[sync]\npolicy = "staleness"\nmax_kv_lag = 1\nafter = "restart"\n')
+    choose = resume_policy(recipe.sync)
+    assert callable(choose)
+
+    def view(min_kv: int, target: int) -> EpisodeView:
+        return EpisodeView(
+            episode_id="e", request_id="r", turn=0, tokens_generated=3,
+            min_policy_version=min_kv, min_kv_version=min_kv, policy_version=target - 1,
+            target_version=target,
+        )  # fmt: skip
+
+    assert choose(view(2, 3)) == "keep" and choose(view(1, 3)) == "restart"
+    assert resume_policy(parse_recipe("").sync) == "keep"
+    with pytest.raises(ConfigError, match="max_kv_lag"):
+        parse_recipe('[sync]\npolicy = "staleness"\nmax_kv_lag = -1\n')
