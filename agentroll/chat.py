@@ -1,12 +1,9 @@
 """Chat rendering and tool-call parsing, token-in / token-out.
 
-Invariants: the prompt is rendered once; afterwards the engine appends the sampled ids as
-they are and renders only each new environment message (``continuation_ids``), so every
-request's prompt is a prefix of the final trajectory.  A template whose rendering of a longer
-conversation does not extend the shorter one raises ``ChatTemplateError`` instead of silently
-drifting.  A message's content never becomes a special token: the text of one inside it (a
-tool's output printing ``<|im_end|>``) is encoded as plain text.  Parsing never raises on
-model output: problems come back as error strings.
+Invariants: the prompt is rendered once, then only each new environment message is
+(``continuation_ids``), so every request's prompt is a prefix of the final trajectory (a
+template that breaks this raises ``ChatTemplateError``); message content never becomes a
+special token; parsing never raises on model output (problems come back as error strings).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Environments: how users define tasks, tools, multi-turn feedback and rewards.
 
-An ``Environment`` subclass is a short declarative class: ``tasks()``, ``reset()``,
-``@tool`` methods, optional ``env_response()``, and a ``reward()`` or a ``Rubric``.  Each
-episode runs on its own shallow copy of the environment (``spawn()``), so per-episode
-attributes set in ``reset()`` never leak between episodes; data loaded in ``__init__`` is
-shared.  Tool argument schemas come from signatures and docstrings; the parameters
-``sandbox`` and ``state`` are injected by the engine and hidden from the model (see ``agentroll.tool``).
+Invariants: each episode runs on its own shallow copy of the environment (``spawn()``), so
+per-episode attributes set in ``reset()`` never leak between episodes while data loaded in
+``__init__`` is shared; the parameters ``sandbox`` and ``state`` are injected by the engine
+and hidden from the model (see ``agentroll.tool``).
 """
 
 from __future__ import annotations
@@ -185,6 +183,10 @@ class Environment:
     ``sandbox_config`` (a ``SandboxConfig``: one sandbox per episode, in ``state.sandbox``),
     ``tool_timeout``, ``extra_tools`` (free ``@tool`` functions, e.g. from ``agentroll.tools``),
     ``rubric``.
+
+    A subclass is a short declarative class: ``tasks()``, ``reset()``, ``@tool`` methods,
+    optional ``env_response()``, and a ``reward()`` or a ``Rubric``.  Tool argument schemas come
+    from signatures and docstrings.
     """
 
     name: ClassVar[str] = ""

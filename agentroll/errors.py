@@ -1,20 +1,7 @@
 """One exception tree for agentroll; every error names the boundary it crossed.
 
-    AgentrollError
-    ├── ConfigError (ValueError)        bad user configuration; the message says what to change
-    ├── MissingDependencyError (ImportError)  an optional extra is not installed
-    ├── EnvError                        an environment hook (reset, reward, ...) failed
-    ├── ToolError                       raised by tools to return an error text to the model
-    ├── ToolCallParseError              the model's output holds a malformed tool call
-    ├── ChatTemplateError               a chat template cannot be rendered incrementally
-    ├── SandboxError                    the sandbox itself failed (not the command it ran)
-    ├── BackendError                    the generation backend failed
-    │   └── GenerationTimeout           one generation exceeded its stage timeout
-    ├── EpisodeTimeout                  a whole episode exceeded its timeout
-    ├── StreamError                     the trajectory stream failed (worker unreachable, refused)
-    ├── CheckpointError (ValueError)    a checkpoint file is corrupt, truncated or unframed
-    └── WeightSyncError                 a weight update was refused or failed (nothing changed)
-
+``AgentrollError`` is the root and its docstring draws the tree; ``ConfigError`` and
+``CheckpointError`` are also ``ValueError``s, ``MissingDependencyError`` an ``ImportError``.
 Foreign errors (OSError, httpx, docker, torch.distributed) are translated where they are
 caught, with ``raise ... from exc``.  Cancellation is never translated.
 """
@@ -27,7 +14,25 @@ from typing import Any
 
 
 class AgentrollError(Exception):
-    """Base class of every error raised by agentroll."""
+    """Base class of every error raised by agentroll.
+
+    The tree, with what each error means:
+
+        AgentrollError
+        ├── ConfigError (ValueError)        bad user configuration; the message says what to change
+        ├── MissingDependencyError (ImportError)  an optional extra is not installed
+        ├── EnvError                        an environment hook (reset, reward, ...) failed
+        ├── ToolError                       raised by tools to return an error text to the model
+        ├── ToolCallParseError              the model's output holds a malformed tool call
+        ├── ChatTemplateError               a chat template cannot be rendered incrementally
+        ├── SandboxError                    the sandbox itself failed (not the command it ran)
+        ├── BackendError                    the generation backend failed
+        │   └── GenerationTimeout           one generation exceeded its stage timeout
+        ├── EpisodeTimeout                  a whole episode exceeded its timeout
+        ├── StreamError                     the trajectory stream failed (unreachable, refused)
+        ├── CheckpointError (ValueError)    a checkpoint file is corrupt, truncated or unframed
+        └── WeightSyncError                 a weight update was refused or failed (nothing changed)
+    """
 
 
 class ConfigError(AgentrollError, ValueError):

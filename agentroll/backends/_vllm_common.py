@@ -1,18 +1,9 @@
 """Pieces the two vLLM backends share (``vllm`` in-process, ``http`` to a server).
 
-- ``Epochs``: the versions of one request's output tokens, as ``(first output index,
-  policy_version, kv_version)``; a pause records where the engine had produced tokens, and
-  the resume opens a new epoch there.  ``split`` turns a run of tokens into chunks that
-  each carry one version pair.
-- ``HostWeights``: the verified host copy of the served weights.  ``stage`` applies a
-  ``WeightUpdate`` aside (per-tensor checksums and the model digest checked, as the built-in
-  engine does) and writes the resulting checkpoint; ``reload_into`` has the engine load it
-  and reloads the previous checkpoint if that fails (or if ``verify`` finds the engine
-  serving other bytes), so a failed update leaves the engine on its old weights; only then is
-  the host copy committed.  ``push`` is the same without a checkpoint on disk, for transfers
-  that move tensors (NCCL): a failure sends the old tensors back.
-
-No vLLM import here: the engine is reached through the ``reload`` coroutine passed in.
+``Epochs`` keeps the versions of one request's output tokens; ``HostWeights`` the verified
+host copy of the served weights.  Invariant: a failed update leaves the engine on its old
+weights and the host copy uncommitted.  No vLLM import here: the engine is reached through
+the ``reload`` coroutine passed in.
 """
 
 from __future__ import annotations
@@ -29,7 +20,12 @@ from agentroll.errors import BackendError, WeightSyncError
 
 
 class Epochs:
-    """Per-request output-token versions; see the module docstring."""
+    """Per-request output-token versions.
+
+    ``epochs`` holds ``(first output index, policy_version, kv_version)`` entries; a pause
+    records where the engine had produced tokens, and the resume opens a new epoch there.
+    ``split`` turns a run of tokens into chunks that each carry one version pair.
+    """
 
     __slots__ = ("cutoff", "epochs")
 
@@ -122,7 +118,15 @@ def finish_reason(reason: str | None) -> Any:
 
 
 class HostWeights:
-    """The verified host copy of what the engine serves, and its checkpoint directories."""
+    """The verified host copy of what the engine serves, and its checkpoint directories.
+
+    ``stage`` applies a ``WeightUpdate`` aside (per-tensor checksums and the model digest
+    checked, as the built-in engine does) and writes the resulting checkpoint; ``reload_into``
+    has the engine load it and reloads the previous checkpoint if that fails (or if ``verify``
+    finds the engine serving other bytes), so a failed update leaves the engine on its old
+    weights; only then is the host copy committed.  ``push`` is the same without a checkpoint
+    on disk, for transfers that move tensors (NCCL): a failure sends the old tensors back.
+    """
 
     def __init__(self, model_dir: Path, version: int = 0, root: str | Path | None = None) -> None:
         self.model_dir = model_dir

@@ -1,28 +1,9 @@
 """Moving verified weights into vLLM workers, and checking what they serve.
 
-- ``served_digests`` / ``verify_served``: vLLM reports a sha256 per *served* parameter
-  (``AsyncLLM.compute_weight_checksums``), under its own names, where the checkpoint's
-  q/k/v and gate/up projections are stacked into ``qkv_proj`` / ``gate_up_proj``.  We rebuild
-  each served parameter from our verified host tensors (same stacking, cast to the served
-  dtype) and compare byte for byte.  vLLM's CPU build repacks linear weights into its own
-  layout and reports them as empty (the sha256 of no bytes): those are counted as
-  ``unverifiable`` and covered by the rescoring probe instead; on CUDA every parameter is
-  compared.  Sharded workers (tensor/pipeline parallel) are not compared (their partition is
-  vLLM's business) and are reported as such.
-- ``sparse_patches``: the elements an update changed, as flat ``(indices, values)`` per
-  tensor, found by comparing the old and the new tensor bitwise (so +0.0/-0.0 and NaN
-  payloads count), with values taken from the *verified* new tensor.  The inverse patch (old
-  values) is the rollback.  This is the payload of vLLM's ``sparse_nccl`` transfer.
-- ``ReferenceScorer`` / ``probe_ids``: the rescoring probe's reference, the built-in
-  engine's model code run on the verified host tensors over fixed token ids.
-- ``NCCLSender``: the trainer-side end of vLLM's ``nccl`` / ``sparse_nccl`` weight-transfer
-  engines, run in this process on its own CUDA device (NCCL refuses two ranks on one GPU, so
-  it needs a second device; on one GPU, or on the CPU, use ``transfer="reload"``).  vLLM's
-  trainer engines call the control plane synchronously from a thread; ``_LoopClient`` runs
-  those calls on the event loop that owns the ``AsyncLLM``.
-
-Pure functions here import no vLLM and run on the CPU (tested); ``NCCLSender`` needs CUDA
-and vLLM's CUDA build and is exercised by ``scripts/gpu-check.sh`` only.
+Invariants: what vLLM serves is compared with the verified host tensors byte for byte, and a
+parameter that cannot be compared is reported as ``unverifiable``, never as checked; a patch
+carries values taken from the verified new tensor.  Pure functions here import no vLLM and
+run on the CPU; ``NCCLSender`` needs CUDA and vLLM's CUDA build (``scripts/gpu-check.sh``).
 """
 
 from __future__ import annotations
@@ -110,7 +91,18 @@ def verify_served(
     host: Mapping[str, torch.Tensor], reported: list[dict[str, str]], dtype: torch.dtype
 ) -> Verified:
     """Compare vLLM's per-worker digests with ``host``; ``WeightSyncError`` names the first
-    served parameter whose bytes differ."""
+    served parameter whose bytes differ.
+
+    vLLM reports a sha256 per *served* parameter (``AsyncLLM.compute_weight_checksums``),
+    under its own names, where the checkpoint's q/k/v and gate/up projections are stacked into
+    ``qkv_proj`` / ``gate_up_proj``; ``served_digests`` rebuilds each served parameter from the
+    verified host tensors (same stacking, cast to the served dtype) for a byte-for-byte
+    comparison.  vLLM's CPU build repacks linear weights into its own layout and reports them
+    as empty (the sha256 of no bytes): those are counted as ``unverifiable`` and covered by the
+    rescoring probe instead; on CUDA every parameter is compared.  Sharded workers
+    (tensor/pipeline parallel) are not compared (their partition is vLLM's business) and are
+    reported as such.
+    """
     result = Verified()
     if len(reported) != 1:
         for worker in reported:
@@ -154,7 +146,13 @@ _UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def sparse_patches(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> list[Patch]:
     """One ``Patch`` per tensor of ``new`` whose bytes differ from ``old`` (same names,
-    shapes and dtypes required: ``WeightSyncError`` otherwise)."""
+    shapes and dtypes required: ``WeightSyncError`` otherwise).
+
+    A patch holds the elements an update changed, as flat ``(indices, values)``, found by
+    comparing the old and the new tensor bitwise (so +0.0/-0.0 and NaN payloads count), with
+    values taken from the *verified* new tensor.  The inverse patch (old values) is the
+    rollback.  This is the payload of vLLM's ``sparse_nccl`` transfer.
+    """
     patches = []
     for name, after in new.items():
         before = old.get(name)
@@ -214,7 +212,8 @@ class ReferenceScorer:
 
 class ServedCheck:
     """What both vLLM backends check after an update: vLLM's digests of what it serves
-    (``verify``) and the rescoring probe (``probe``).  See the module docstring."""
+    (``verify``, see ``verify_served``) and the rescoring probe (``probe``: ``probe_ids``
+    scored by vLLM and by ``ReferenceScorer``)."""
 
     def __init__(
         self,
@@ -384,7 +383,13 @@ def _tensor_source(tensors: Mapping[str, torch.Tensor], device: torch.device) ->
 
 
 class NCCLSender:
-    """Rank 0 of vLLM's weight-transfer NCCL group, in this process (see module docstring).
+    """Rank 0 of vLLM's weight-transfer NCCL group, in this process, on its own CUDA device.
+
+    This is the trainer-side end of vLLM's ``nccl`` / ``sparse_nccl`` weight-transfer
+    engines.  NCCL refuses two ranks on one GPU, so it needs a second device; on one GPU, or
+    on the CPU, use ``transfer="reload"``.  vLLM's trainer engines call the control plane
+    synchronously from a thread; ``_LoopClient`` runs those calls on the event loop that owns
+    the ``AsyncLLM``.
 
     ``kind`` is ``nccl`` (dense: every tensor of the model each update) or ``sparse_nccl``
     (only the changed elements).  ``start`` rendezvous with the workers on

@@ -1,12 +1,9 @@
 """The built-in engine behind the async Backend protocol (the embedded default backend).
 
-Invariants: one stepper task owns the engine; every engine call happens either inside a
-step (on the backend's single worker thread) or on the event loop while no step is in
-flight, so requests are never mutated concurrently; ``pause`` returns only after the step in
-flight has finished, i.e. at a token boundary; a cancelled ``generate`` aborts its request.
-One read crosses threads: another engine in this process, restoring a request moved from
-here, reads the KV blocks held for it (``snapshot_many(hold_kv=True)``), which nothing here
-writes or reuses until the ``release`` command it queues has run.
+Invariants: one stepper task owns the engine and requests are never mutated concurrently;
+``pause`` returns only after the step in flight has finished, i.e. at a token boundary; a
+cancelled ``generate`` aborts its request; KV blocks held for a request moved to another
+engine are neither written nor reused until its ``release`` has run.
 """
 
 from __future__ import annotations
@@ -76,7 +73,14 @@ class _Stream:
 class TorchBackend(
     Backend, SupportsSnapshotMany, SupportsStaging, SupportsAbort, ReportsInflight, ReportsBusy
 ):
-    """``TorchBackend(EngineConfig(model=DIR))`` or ``TorchBackend(DIR, dtype=..., ...)``."""
+    """``TorchBackend(EngineConfig(model=DIR))`` or ``TorchBackend(DIR, dtype=..., ...)``.
+
+    Every engine call happens either inside a step (on the backend's single worker thread) or
+    on the event loop while no step is in flight.  One read crosses threads: another engine in
+    this process, restoring a request moved from here, reads the KV blocks held for it
+    (``snapshot_many(hold_kv=True)``), which nothing here writes or reuses until the
+    ``release`` command it queues has run.
+    """
 
     tokenizer: ChatTokenizer  # always known: the model directory holds it
 

@@ -1,42 +1,9 @@
 """The ``vllm`` backend: vLLM's ``AsyncLLM`` in this process, behind the Backend protocol.
 
-Token-in/token-out (``TokensPrompt``), one logprob per sampled token from the distribution
-actually sampled from (the engine runs with ``logprobs_mode="processed_logprobs"``), and our
-integer ``policy_version`` / ``kv_version`` on every chunk.
-
-Pause and resume map onto ``AsyncLLM.pause_generation(mode="keep")``: requests freeze in
-the scheduler and continue on ``resume_generation()``.  ``keep`` keeps their KV
-(``clear_cache=False``; tokens after the resume get the new policy version while the
-request's ``kv_version`` stays at the oldest version in its KV), ``recompute`` clears the
-KV (vLLM re-prefills prompt + generated tokens under the new weights: ``kv_version`` becomes
-the new version), ``restart`` aborts the request and submits it again from its prompt (the
-consumer is told to drop the tokens it already got, ``rollback``).
-
-Weight updates (``apply``, while paused): the update is applied to a host copy of the
-checkpoint and verified there (per-tensor checksums and the model digest, as the built-in
-engine does).  Then, with ``transfer="reload"`` (the default, CPU and GPU), the result is
-written as a safetensors checkpoint and vLLM reloads it (``collective_rpc("reload_weights")``,
-which also works on CPU where vLLM repacks linear weights); with ``nccl`` / ``sparse_nccl``
-the tensors (dense) or the changed elements (sparse) go through vLLM's weight-transfer
-engines from a second CUDA device (``_vllm_transfer.NCCLSender``).  Then vLLM's digests of
-what it serves are compared with the verified host tensors (every parameter on CUDA; on CPU
-the repacked linear weights cannot be, see ``_vllm_transfer``).  A failed load or
-verification is rolled back (the previous checkpoint reloaded, or the old tensors sent
-back), so the backend keeps serving the old version.  The prefix cache is cleared on every
-update.  ``stage`` / ``swap`` split this for the fleet's ``background`` strategy: verify and
-write the checkpoint while generating, reload at a token boundary.
-
-The first resume after an update runs the rescoring probe: fixed tokens scored by vLLM
-(``prompt_logprobs``) and by the built-in engine's model code on the verified host tensors.
-It covers what the digests cannot see (repacked weights, a kernel that reads stale memory).
-A failure raises from ``resume`` (after generation resumed) and takes the backend out of
-service; ``recover`` reloads the verified weights and probes again.
-
-Invariants: a chunk's tokens share one policy version and one kv version; every request
-started is aborted in vLLM when its consumer goes away; ``resume`` runs even when an update
-failed (callers use ``try/finally``; a failed ``apply`` leaves the engine paused but
-resumable); vLLM's own version spans (final output) are compared with ours and a mismatch is
-counted in ``stats["version_mismatch"]``.
+Invariants: token-in/token-out, one logprob per sampled token from the distribution actually
+sampled from; a chunk's tokens share one policy version and one kv version; every request
+started is aborted in vLLM when its consumer goes away; a failed update leaves vLLM serving
+the old, verified weights.
 """
 
 from __future__ import annotations
@@ -106,7 +73,44 @@ class _Live:
 
 
 class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
-    """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory."""
+    """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory.
+
+    Prompts go in as ``TokensPrompt`` and the engine runs with
+    ``logprobs_mode="processed_logprobs"``; every chunk carries our integer ``policy_version``
+    and ``kv_version``.
+
+    Pause and resume map onto ``AsyncLLM.pause_generation(mode="keep")``: requests freeze in
+    the scheduler and continue on ``resume_generation()``.  ``keep`` keeps their KV
+    (``clear_cache=False``; tokens after the resume get the new policy version while the
+    request's ``kv_version`` stays at the oldest version in its KV), ``recompute`` clears the
+    KV (vLLM re-prefills prompt + generated tokens under the new weights: ``kv_version`` becomes
+    the new version), ``restart`` aborts the request and submits it again from its prompt (the
+    consumer is told to drop the tokens it already got, ``rollback``).
+
+    Weight updates (``apply``, while paused): the update is applied to a host copy of the
+    checkpoint and verified there (per-tensor checksums and the model digest, as the built-in
+    engine does).  Then, with ``transfer="reload"`` (the default, CPU and GPU), the result is
+    written as a safetensors checkpoint and vLLM reloads it (``collective_rpc("reload_weights")``,
+    which also works on CPU where vLLM repacks linear weights); with ``nccl`` / ``sparse_nccl``
+    the tensors (dense) or the changed elements (sparse) go through vLLM's weight-transfer
+    engines from a second CUDA device (``_vllm_transfer.NCCLSender``).  Then vLLM's digests of
+    what it serves are compared with the verified host tensors (every parameter on CUDA; on CPU
+    the repacked linear weights cannot be, see ``_vllm_transfer``).  A failed load or
+    verification is rolled back (the previous checkpoint reloaded, or the old tensors sent
+    back), so the backend keeps serving the old version.  The prefix cache is cleared on every
+    update.  ``stage`` / ``swap`` split this for the fleet's ``background`` strategy: verify and
+    write the checkpoint while generating, reload at a token boundary.
+
+    The first resume after an update runs the rescoring probe: fixed tokens scored by vLLM
+    (``prompt_logprobs``) and by the built-in engine's model code on the verified host tensors.
+    It covers what the digests cannot see (repacked weights, a kernel that reads stale memory).
+    A failure raises from ``resume`` (after generation resumed) and takes the backend out of
+    service; ``recover`` reloads the verified weights and probes again.
+
+    ``resume`` runs even when an update failed (callers use ``try/finally``; a failed ``apply``
+    leaves the engine paused but resumable); vLLM's own version spans (final output) are
+    compared with ours and a mismatch is counted in ``stats["version_mismatch"]``.
+    """
 
     name = "vllm"
 

@@ -1,32 +1,9 @@
 """The ``http`` backend: an OpenAI-compatible vLLM server, through httpx.
 
-Token-in/token-out on ``/v1/completions`` (``prompt`` as token ids, ``return_token_ids``,
-``logprobs=0``: the sampled token's logprob; start the server with ``--logprobs-mode
-processed_logprobs`` so it is the distribution sampled from), streamed as server-sent
-events.  Each request has a reader task that parses the events into a queue, so the backend
-knows how many tokens the server produced independently of how fast the episode consumes.
-
-Pause/resume and weights use vLLM's RL endpoints (the server runs with
-``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep`` freezes requests; at ``resume`` the
-backend waits until no event has arrived for a moment (a frozen engine produces none, so
-what came was produced before the pause), cuts each request's version epoch there, and
-``POST /resume``.  ``recompute`` closes the request's stream (the server aborts it) and
-submits prompt + tokens so far again, a fresh prefill under the new weights (a server-side
-``/reset_prefix_cache?reset_running_requests=true`` was tried and did not re-prefill running
-requests: their post-resume logprobs were those of the old KV); ``restart`` closes the stream
-and submits the prompt again.  ``apply`` verifies the update on a host
-copy of the checkpoint (``model_dir``), writes the checkpoint where the server can read it
-(same machine or shared filesystem: ``weights_dir``) and calls ``/collective_rpc``
-``reload_weights``; a failure reloads the previous checkpoint and keeps the old version.
-
-Faults: connection errors, timeouts and 5xx answers are retried with exponential backoff
-(``retries`` times); a stream that breaks after tokens arrived is resubmitted with prompt +
-tokens so far (the rest is recomputed); when retries run out the call raises
-``BackendError`` naming the server and the last error.  A 4xx is not retried.
-
-Invariants: a request's chunks carry one version pair each; a consumer that leaves closes
-its stream (the server aborts the request); ``resume`` posts ``/resume`` even if a step
-before it failed.
+Invariants: token-in/token-out on ``/v1/completions``; a request's chunks carry one version
+pair each; a consumer that leaves closes its stream (the server aborts the request);
+``resume`` posts ``/resume`` even if a step before it failed; a failed update keeps the old
+version; transient faults are retried, a 4xx is not.
 """
 
 from __future__ import annotations
@@ -94,6 +71,30 @@ class VLLMServerBackend(CheckedBackend, Backend):
 
     ``model_dir`` is the checkpoint the server was started on (needed for weight updates);
     ``model`` the served model name (default: the server's first model).
+
+    Requests go to ``/v1/completions`` (``prompt`` as token ids, ``return_token_ids``,
+    ``logprobs=0``: the sampled token's logprob; start the server with ``--logprobs-mode
+    processed_logprobs`` so it is the distribution sampled from), streamed as server-sent
+    events.  Each request has a reader task that parses the events into a queue, so the backend
+    knows how many tokens the server produced independently of how fast the episode consumes.
+
+    Pause/resume and weights use vLLM's RL endpoints (the server runs with
+    ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep`` freezes requests; at ``resume`` the
+    backend waits until no event has arrived for a moment (a frozen engine produces none, so
+    what came was produced before the pause), cuts each request's version epoch there, and
+    ``POST /resume``.  ``recompute`` closes the request's stream (the server aborts it) and
+    submits prompt + tokens so far again, a fresh prefill under the new weights (a server-side
+    ``/reset_prefix_cache?reset_running_requests=true`` does not re-prefill running requests:
+    their post-resume logprobs are those of the old KV); ``restart`` closes the stream and
+    submits the prompt again.  ``apply`` verifies the update on a host copy of the checkpoint
+    (``model_dir``), writes the checkpoint where the server can read it (same machine or shared
+    filesystem: ``weights_dir``) and calls ``/collective_rpc`` ``reload_weights``; a failure
+    reloads the previous checkpoint and keeps the old version.
+
+    Faults: connection errors, timeouts and 5xx answers are retried with exponential backoff
+    (``retries`` times); a stream that breaks after tokens arrived is resubmitted with prompt +
+    tokens so far (the rest is recomputed); when retries run out the call raises
+    ``BackendError`` naming the server and the last error.  A 4xx is not retried.
     """
 
     name = "http"

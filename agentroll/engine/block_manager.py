@@ -1,12 +1,9 @@
 """Paged KV block allocation with reference counts and a version-keyed prefix cache.
 
-Invariants: every block is exactly one of used (``ref_count > 0``), free (no key) or evictable
-(a prefix-cache key, ``ref_count == 0``, LRU order), so free + evictable + used == num_blocks.
-A block gets a key only once it is full *and* its KV is computed; the key chains (parent key,
-kv_version, token ids), so KV computed under other weights is never reused, and only sequences
-whose KV is all of one version register keys. A reference is a sequence's block-table entry
-or a ``hold`` (a migrating request's KV, read by another engine after its sequence was
-freed here), dropped by ``free`` or ``release``. Pure and synchronous: no torch, no I/O.
+Invariants: every block is exactly one of used, free or evictable, so free + evictable + used
+== num_blocks; a block gets a key only once it is full *and* its KV is computed, and keys
+chain the kv_version, so KV computed under other weights is never reused.
+Pure and synchronous: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -53,6 +50,12 @@ class BlockManager:
     Statistics: ``num_prefix_queries`` and ``num_prefix_hits`` count tokens over all
     ``allocate`` calls that use the cache; ``num_evictions`` counts cached blocks reused for
     other content.
+
+    A block is used (``ref_count > 0``), free (no key) or evictable (a prefix-cache key,
+    ``ref_count == 0``, LRU order).  The key chains (parent key, kv_version, token ids), and
+    only sequences whose KV is all of one version register keys.  A reference is a sequence's
+    block-table entry or a ``hold`` (a migrating request's KV, read by another engine after its
+    sequence was freed here), dropped by ``free`` or ``release``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):

@@ -1,6 +1,5 @@
 """The built-in engine's synchronous core: scheduler + model runner + sampler, one step at
 a time, plus pause / snapshot / restore of requests and in-place weight loads.
-
 Invariants: only ``step`` runs the model and nothing else mutates requests meanwhile; a
 token's ``policy_version`` computed its logits, its ``kv_version`` is the oldest among the KV
 it attended to; with ``batch_invariant`` output depends only on prompt, seed and weights, so

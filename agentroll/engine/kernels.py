@@ -1,22 +1,9 @@
 """The engine's C++ CPU kernels (``csrc/cpu_kernels.cpp``): built once per machine, then loaded.
 
-What they replace: on a small model a decode step is mostly the cost of many small torch ops
-(RMSNorm is seven of them, RoPE eight), of gathering every sequence's K/V out of the paged
-cache before attention, of the Python between ops, and of MKL's sgemm, which repacks the
-weights on every call and runs AVX2 code on AMD CPUs.  The kernels do RMSNorm, SiLU-and-multiply
-and RoPE in one pass each, attend straight from the paged cache, multiply by blocked calls of
-oneDNN's brgemm micro-kernels (through torch's ``at::native::cpublas``), and run a whole
-decoder step in one call (``decoder_forward``, which releases the GIL); the model runner uses
-them for fp32 on the CPU and falls back to plain torch everywhere else (other dtypes, CUDA, or
-when they cannot be built).
-
-Invariants: the extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into
-``$AGENTROLL_KERNEL_DIR`` (default ``~/.cache/agentroll/kernels``) under a key that hashes the
-source, torch, Python and the CPU's feature flags (it is built with ``-march=native``), so a
+Invariants: a build is keyed by the source, torch, Python and the CPU's feature flags, so a
 changed source or another CPU never loads a stale build; concurrent processes build it once
-(file lock) and a finished build is moved into place atomically, so a half-written library is
-never loaded.  ``AGENTROLL_CPU_KERNELS=0`` turns the kernels off.  A failed build is reported
-once, with what to do, and the engine runs on the torch path; it never fails a request.
+and a half-written library is never loaded; a failed build is reported once and the engine
+runs on the torch path, never failing a request.  ``AGENTROLL_CPU_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -89,7 +76,13 @@ def _ninja_on_path() -> None:
 
 
 def build(root: Path | None = None) -> ModuleType:
-    """Build (or find) the extension under ``root`` and import it.  Raises on failure."""
+    """Build (or find) the extension under ``root`` and import it.  Raises on failure.
+
+    The extension is compiled with ``torch.utils.cpp_extension`` (g++ and ninja) into
+    ``$AGENTROLL_KERNEL_DIR`` (default ``~/.cache/agentroll/kernels``) under ``build_key`` (it is
+    built with ``-march=native``); concurrent processes build it once (file lock) and a finished
+    build is moved into place atomically.
+    """
     from torch.utils import cpp_extension
 
     root = root or kernel_dir()
@@ -135,7 +128,18 @@ def build(root: Path | None = None) -> ModuleType:
 
 
 def get() -> ModuleType | None:
-    """The kernels module, or ``None`` when turned off or unbuildable (reported once)."""
+    """The kernels module, or ``None`` when turned off or unbuildable (reported once).
+
+    On a small model a decode step is mostly the cost of many small torch ops (RMSNorm is seven
+    of them, RoPE eight), of gathering every sequence's K/V out of the paged cache before
+    attention, of the Python between ops, and of MKL's sgemm, which repacks the weights on every
+    call and runs AVX2 code on AMD CPUs.  The kernels do RMSNorm, SiLU-and-multiply and RoPE in
+    one pass each, attend straight from the paged cache, multiply by blocked calls of oneDNN's
+    brgemm micro-kernels (through torch's ``at::native::cpublas``), and run a whole decoder step
+    in one call (``decoder_forward``, which releases the GIL); the model runner uses them for
+    fp32 on the CPU and falls back to plain torch everywhere else (other dtypes, CUDA, or when
+    they cannot be built).  A failed build is reported once, with what to do.
+    """
     if "module" in _state:
         return _state["module"]
     with _lock:

@@ -1,12 +1,9 @@
 """Seeded, counter-based sampling with exact logprobs.
 
 Invariants: the random number behind the token at generation step ``i`` of a request is a
-pure function of ``(seed, i)`` (splitmix64), so a request's tokens depend only on its
-logits, its ``SamplingParams`` and its seed -- never on the other rows of the batch, and
-nothing but the step count needs saving in a snapshot; sampling is by inverse CDF over the
-filtered distribution, vectorised over rows that share parameters; logprobs are those of the
-distribution actually sampled from (after temperature, top-k and top-p), in fp32.  The C++
-kernels' ``sample`` (engine/kernels.py) implements the same definition for fp32 on the CPU.
+pure function of ``(seed, i)`` (splitmix64), so a request's tokens never depend on the other
+rows of the batch and a snapshot saves only the step count; logprobs are those of the
+distribution actually sampled from (after temperature, top-k and top-p), in fp32.
 """
 
 from __future__ import annotations
@@ -68,7 +65,12 @@ def sample(
     ``sample``, which follows the same definition; its arithmetic differs in rounding (its
     own exp, the mass summed in blocks, ties in top-p ranked by token id), so the two paths
     may pick different tokens where the mass is split within rounding -- each is
-    deterministic and per-row on its own."""
+    deterministic and per-row on its own.
+
+    Sampling is by inverse CDF over the filtered distribution, vectorised over rows that share
+    parameters, so a request's tokens depend only on its logits, its ``SamplingParams`` and its
+    seed.
+    """
     logits = logits.detach().to("cpu", torch.float32)
     if kernels is not None:
         f32 = np.float32  # numpy: torch.tensor of a short list costs 5x more

@@ -1,5 +1,4 @@
 """Continuous batching: which sequences compute how many tokens in the next model step.
-
 Invariants: a step never exceeds ``max_num_batched_tokens`` tokens or ``max_num_seqs``
 sequences; FCFS by arrival (decodes first, then prefill chunks); a PAUSED sequence is never
 scheduled and keeps its blocks; KV pressure preempts the latest arrival by recompute, never an

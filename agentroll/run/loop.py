@@ -1,14 +1,9 @@
 """``agentroll run RECIPE``: the whole loop in one command, with a run directory to show for it.
 
-Role: make (or take) the model, warm it up on demonstrations when the recipe says so, start a
-rollout worker process (``agentroll worker --recipe``) that serves the trajectory stream, and
-train on that stream with the reference trainer (advantages and objective from the recipe's
-``trainer.algorithm``), pushing weights back every ``sync.interval`` steps while the worker
-keeps generating; then stop the worker (it checkpoints what is in flight), count what was
-lost, and write the report.
-Invariants: the trainer only sees trajectories through ``StreamClient`` (as an external
-trainer would); a batch is acknowledged only after the step that used it; the worker process
-never outlives the run (SIGTERM, then SIGKILL after a grace period).
+Role: make the model, warm it up when asked, start a recipe worker process and train on its
+stream with the reference trainer, pushing weights every ``sync.interval`` steps; then stop
+the worker, count what was lost and write the report.  Invariants: the trainer sees data only
+through ``StreamClient``; a batch is acked after its step; the worker never outlives the run.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Metric traces of a run: timed phases, training steps, syncs and counters as JSONL.
 
-Role: each process/component owns one ``MetricsWriter`` that appends one JSON record per line to
-``RUN_DIR/<component>.jsonl``; ``PhaseClock`` turns busy/idle transitions into spans;
-``read_trace`` merges every file of a run directory into a ``Trace`` for ``agentroll.run.report``.
-Invariants: a record is one ``write`` of one complete line, so a crash leaves at most one torn
-line at the end of a file, which the reader skips (a writer reopening such a file first ends
-the torn line); times are wall-clock seconds (``time.time``) unless a clock is injected.
+Each component owns one ``MetricsWriter`` appending one JSON record per line to
+``RUN_DIR/<component>.jsonl``; ``read_trace`` merges a run's files into a ``Trace``.
+Invariants: a record is one ``write`` of one complete line, so a crash leaves at most one
+torn line, which the reader skips; times are wall-clock seconds unless a clock is injected.
 """
 
 from __future__ import annotations
@@ -118,6 +116,10 @@ class MetricsWriter:
     ``flush_every`` (records buffered before a flush; 1 = every record reaches the OS at once).
     Thread-safe; a context manager that closes the file.  Raises ``ConfigError`` on a bad
     component name or ``flush_every``.
+
+    A writer reopening a file that ends in a torn line first ends that line.  Times are
+    ``time.time`` seconds unless a clock is injected.  ``PhaseClock`` turns busy/idle
+    transitions into spans; ``agentroll.run.report`` reads the merged ``Trace``.
     """
 
     def __init__(

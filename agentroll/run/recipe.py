@@ -1,12 +1,9 @@
 """TOML recipes and run directories: what a run is, written down so it can be repeated.
 
-A recipe names the environment, model, backend, sampling, sandbox, sync strategy and
-interval, staleness bound and trainer settings.  Invariants: a recipe is validated as a
-whole by msgspec before anything starts; every number has a ``Bound`` (finite, both ends);
-every error names the offending field as written in the TOML (``sync.strategy: ...``), and
-for a number its value and range; unknown fields are refused (a typo is never ignored);
-``resolved()`` is self-contained (relative paths made absolute, defaults filled in), so the
-copy written into a run directory repeats the run.
+Invariants: a recipe is validated whole by msgspec before anything starts; every number has
+a finite ``Bound``; every error names the field as written in the TOML (for a number, its
+value and range); unknown fields are refused; ``resolved()`` is self-contained (absolute
+paths, defaults filled in), so the copy written into a run directory repeats the run.
 """
 
 from __future__ import annotations

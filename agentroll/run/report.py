@@ -1,11 +1,9 @@
 """``agentroll report RUN_DIR``: the figures of a run's metric trace, plots and tuning advice.
 
-Role: ``build_report`` reduces a ``Trace`` (agentroll.run.metrics) to a ``Report``; ``advice`` says
-what the numbers imply; ``write_plots`` draws reward, timeline and staleness PNGs (matplotlib's
-Agg canvas, imported lazily, no pyplot state); ``main_report`` prints and writes everything.
-Invariants: a figure nobody measured is ``None`` and printed ``unknown``, never a made-up 0
-(e.g. ``lost`` without a ``lost`` counter); the timeline draws the intervals the table's
-busy/idle shares come from (``timeline_lanes``).
+``build_report`` reduces a ``Trace`` (agentroll.run.metrics) to a ``Report``; ``advice``
+says what the numbers imply; ``write_plots`` draws PNGs; ``main_report`` prints and writes
+everything.  Invariants: a figure nobody measured is ``None`` and printed ``unknown``, never
+a made-up 0; the timeline draws the intervals the busy/idle shares come from.
 """
 
 from __future__ import annotations
@@ -235,6 +233,10 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
 
     Args: ``run_dir``; ``trace`` (already read, else ``read_trace(run_dir)``).
     Raises ``ConfigError`` when the directory does not exist or holds no metric records.
+
+    A figure nobody measured stays ``None`` (e.g. ``lost`` without a ``lost`` counter).
+    ``write_plots`` draws reward, timeline and staleness PNGs with matplotlib's Agg canvas,
+    imported lazily, no pyplot state; the timeline draws ``timeline_lanes``.
     """
     if trace is None:
         trace = _read_run_dir(run_dir)

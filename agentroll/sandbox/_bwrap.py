@@ -1,11 +1,9 @@
 """The bubblewrap command line of the local sandbox (pure: paths in, argv out).
 
-What a command sees: the host's system binaries and libraries read-only (``/usr`` and the
-``/bin``, ``/lib``... links or directories), a handful of non-secret ``/etc`` files, a
-synthetic ``/etc/passwd``, a fresh ``/proc`` of its own pid namespace, a minimal ``/dev``,
-a size-capped ``/tmp``, and its working directory read-write; the root itself is read-only.
-It runs with no capabilities, as uid/gid 1000 of a user namespace it cannot nest, with no
-network (unless asked), IPC, UTS or cgroup namespace of the host.
+Invariants: the host's system files are read-only and only the working directory (and a
+size-capped ``/tmp``) is writable; a command runs with no capabilities, as uid/gid 1000 of
+a user namespace it cannot nest, with no network (unless asked), IPC, UTS or cgroup
+namespace of the host.
 """
 
 from __future__ import annotations
@@ -95,6 +93,11 @@ def bwrap_argv(
 
     ``etc_dir`` is the sandbox's ``/etc`` (``make_etc``); ``host_root`` is where the host's
     system directories are looked up (a test may point it at a fake tree).
+
+    What a command sees: the host's system binaries and libraries read-only (``/usr`` and the
+    ``/bin``, ``/lib``... links or directories), a handful of non-secret ``/etc`` files, a
+    synthetic ``/etc/passwd``, a fresh ``/proc`` of its own pid namespace, a minimal ``/dev``,
+    a size-capped ``/tmp``, and its working directory read-write; the root itself is read-only.
     """
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns"]
     if network:

@@ -1,12 +1,9 @@
 """Per-sandbox cgroups of the local sandbox: totals of memory, pids and CPU, and a kill that
-reaches every process a command started.
+reaches every process a command started, on cgroup v1 and v2.
 
-Each sandbox gets one group (``agentroll/<owner>-<n>``) with its limits, and each exec a
-child group in the pids hierarchy, so killing a command kills exactly its processes (a
-``setsid`` or double fork does not leave a cgroup).  Works on cgroup v1 (one hierarchy per
-controller) and v2 (one unified hierarchy with the controllers delegated to our subtree).
-Invariant: a group is only written through files under ``root``; a host without usable
-cgroups gives ``None`` from ``open_cgroups`` and the caller warns, never silently.
+Invariants: killing a command kills exactly its processes (a ``setsid`` or double fork does
+not leave a cgroup); a group is only written through files under ``root``; a host without
+usable cgroups gives ``None`` from ``open_cgroups`` and the caller warns, never silently.
 """
 
 from __future__ import annotations
@@ -183,7 +180,12 @@ def open_cgroups(
     name: str, *, memory_bytes: int, pids: int, cpus: float, root: Path = _ROOT
 ) -> Cgroups | None:
     """Create the groups of one sandbox with its limits; None if the host has no usable
-    cgroups (not root, read-only ``/sys/fs/cgroup``, v2 without delegation)."""
+    cgroups (not root, read-only ``/sys/fs/cgroup``, v2 without delegation).
+
+    Each sandbox gets one group (``agentroll/<owner>-<n>``) with its limits, and each exec a
+    child group in the pids hierarchy.  On cgroup v1 there is one hierarchy per controller; on
+    v2 one unified hierarchy with the controllers delegated to our subtree.
+    """
     version = detect(root)
     if version is None:
         return None

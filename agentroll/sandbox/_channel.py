@@ -1,15 +1,9 @@
 """The host side of the in-container agent's protocol (``_agent.py``): framed JSON requests
 over one byte stream, authenticated replies matched to requests by id.
 
-The stream is a docker attach connection (``multiplexed``: docker's 8-byte frame headers
-separate the container's stdout from its stderr) or, in tests, a subprocess's pipes.
-
-Invariants: the channel's first frame gives the agent a fresh 256-bit key, and a reply is
-accepted only with a valid HMAC-SHA256 under it (a bad one fails the channel: whatever
-wrote it could write anything); request ids are random 128-bit strings, never reused;
-every request gets exactly one outcome: its reply, or ``SandboxError`` once the stream ends
-or breaks (then every pending and later request fails at once, with the agent's last stderr
-lines in the message); the reader holds at most one frame plus 4 KiB of stderr.
+Invariants: a reply is accepted only with a valid HMAC-SHA256 under the channel's fresh key
+(a bad one fails the channel); request ids are never reused; every request gets exactly one
+outcome, its reply or ``SandboxError``; the reader holds at most one frame plus 4 KiB of stderr.
 """
 
 from __future__ import annotations
@@ -42,7 +36,15 @@ class _Forged(ValueError):
 
 
 class AgentChannel:
-    """Requests to one agent.  ``await start()`` reads its hello; then ``request()``."""
+    """Requests to one agent.  ``await start()`` reads its hello; then ``request()``.
+
+    The stream is a docker attach connection (``multiplexed``: docker's 8-byte frame headers
+    separate the container's stdout from its stderr) or, in tests, a subprocess's pipes.  The
+    channel's first frame gives the agent a fresh 256-bit key; a reply with a bad MAC fails the
+    channel, since whatever wrote it could write anything.  Request ids are random 128-bit
+    strings.  Once the stream ends or breaks, every pending and later request fails at once
+    with ``SandboxError``, with the agent's last stderr lines in the message.
+    """
 
     def __init__(
         self,

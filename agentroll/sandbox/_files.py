@@ -1,14 +1,9 @@
 """Working-directory helpers of the local sandbox: create, snapshot (tar), restore, delete,
 and reap the ones a dead process left behind.
 
-Invariants: a restore unpacks into a staging directory first and refuses members that leave
-the directory (absolute paths, ``..``, outward links), so a bad blob leaves the working
-directory untouched; deletion also removes directories a command left without permissions.
-Working and staging directories are named after the process that made them
-(``agentroll-sb-<host tag>.<pid>.<start ticks>-*``, the host tag from ``_owner.HOST``), so a
-process killed before it could clean up (``kill -9``, OOM) leaves directories that
-``reap_workdirs`` removes later; a directory whose owner runs, or whose name carries no
-owner, is never touched.
+Invariants: a bad restore blob leaves the working directory untouched; deletion also removes
+directories a command left without permissions; a directory whose owner runs, or whose name
+carries no owner, is never reaped.
 """
 
 from __future__ import annotations
@@ -65,7 +60,14 @@ def reap_workdirs(
     alive: Callable[[int, str], bool] = owner_alive,
 ) -> list[Path]:
     """Remove the sandbox directories under ``root`` (default: the temp directory) whose
-    owner process is gone; returns what was removed.  Blocking."""
+    owner process is gone; returns what was removed.  Blocking.
+
+    Working and staging directories are named after the process that made them
+    (``agentroll-sb-<host tag>.<pid>.<start ticks>-*``, the host tag from ``_owner.HOST``), so a
+    process killed before it could clean up (``kill -9``, OOM) leaves directories that this
+    removes later.  A restore unpacks into a staging directory first and refuses members that
+    leave the directory (absolute paths, ``..``, outward links).
+    """
     base = Path(root if root is not None else tempfile.gettempdir())
     removed: list[Path] = []
     try:

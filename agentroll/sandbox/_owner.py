@@ -1,13 +1,9 @@
 """Process identity on this host, shared by the docker and local sandboxes' reapers.
 
-A process is named by ``(pid, start ticks)`` from ``/proc/PID/stat``: a pid the kernel
-hands to a new process later has other start ticks, so a reused pid never makes a dead
-owner look alive.  A pid means something only in its pid namespace and boot, so ``HOST``
-is the host name plus a tag of both: two containers of one Kubernetes pod share a host
-name (and perhaps a docker socket or a /tmp volume) but not their pids, and neither may
-take the other's processes for dead.  Invariant: ``owner_alive`` is False only when the
-process is provably gone (no such pid, or the pid now belongs to a process that started at
-another time), and it is only asked about owners whose ``HOST`` is ours.
+A process is named by ``(pid, start ticks)`` and ``HOST`` tags the pid namespace and boot.
+Invariant: ``owner_alive`` is False only when the process is provably gone (no such pid, or
+the pid now belongs to a process that started at another time), and it is only asked about
+owners whose ``HOST`` is ours.
 """
 
 from __future__ import annotations
@@ -48,7 +44,14 @@ def start_ticks(pid: int) -> str:
 
 
 def owner_alive(pid: int, ticks: str) -> bool:
-    """Whether the process ``pid`` that started at ``ticks`` still runs here."""
+    """Whether the process ``pid`` that started at ``ticks`` still runs here.
+
+    The start ticks come from ``/proc/PID/stat``: a pid the kernel hands to a new process later
+    has other start ticks, so a reused pid never makes a dead owner look alive.  A pid means
+    something only in its pid namespace and boot, so ``HOST`` is the host name plus a tag of
+    both: two containers of one Kubernetes pod share a host name (and perhaps a docker socket
+    or a /tmp volume) but not their pids, and neither may take the other's processes for dead.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,12 +1,9 @@
 """Pure pieces of the docker sandbox: a creation rate limit and the reaper's verdict.
 
-No I/O and no clock of their own (callers pass ``now``), so they are unit-tested on
-synthetic inputs.
-
 Invariants: ``TokenBucket.reserve`` hands out at most ``burst`` creations at once and
-``rate`` per second after that, in call order (a reservation is never overtaken);
-``reap_reason`` keeps a container unless it is past its TTL or its owner, on this host, is
-provably gone (a container whose labels cannot be read is kept, and reported).
+``rate`` per second after that, in call order; ``reap_reason`` keeps a container unless it
+is past its TTL or its owner, on this host, is provably gone (unreadable labels: kept, and
+reported).  No I/O and no clock of their own (callers pass ``now``).
 """
 
 from __future__ import annotations

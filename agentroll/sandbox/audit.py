@@ -1,10 +1,9 @@
 """``agentroll sandbox audit``: escape and limit probes run inside a real sandbox.
 
-Each probe is a small Python program run through the ``Sandbox`` API, as model-written
-code would be, under deliberately small limits (``AUDIT_CONFIG``); what it prints, and what
-the host sees meanwhile, decide ``contained``, ``escaped`` (it reached something outside)
-or ``unbounded`` (it used more than its limit).  The host side plants what a probe looks
-for (a marker process, a listening socket, a file in the host's /tmp) and removes it after.
+Each probe is a small Python program run through the ``Sandbox`` API under deliberately
+small limits (``AUDIT_CONFIG``); what it prints and what the host sees decide
+``contained``, ``escaped`` or ``unbounded``.  Invariant: the host side removes what it
+plants for the probes (a marker process, a listening socket, a file in the host's /tmp).
 """
 
 from __future__ import annotations
@@ -487,7 +486,11 @@ async def audit(
     on_finding: Callable[[Finding], None] | None = None,
 ) -> list[Finding]:
     """Run ``probes`` (default: all) in a fresh sandbox of ``backend`` each; returns the
-    findings in order.  Raises ``SandboxError`` if a sandbox cannot be started."""
+    findings in order.  Raises ``SandboxError`` if a sandbox cannot be started.
+
+    A probe runs as model-written code would; ``escaped`` means it reached something outside,
+    ``unbounded`` that it used more than its limit.
+    """
     cfg = msgspec.structs.replace(config or AUDIT_CONFIG, backend=backend)
     token = secrets.token_hex(8)
     marker = await asyncio.create_subprocess_exec(

@@ -1,14 +1,9 @@
 """The local sandbox: commands run as host processes, inside bubblewrap when it works here.
 
-Invariants: each ``exec`` runs in a new process group (under bubblewrap also in new user,
-PID, network, IPC and mount namespaces, with no capabilities) whose every process is
-SIGKILLed when the command exits, times out or is cancelled (the exec's own cgroup reaches
-those that left the group); when agentroll runs as root, commands run as an unprivileged
-uid of their sandbox's own; memory, pids and CPU are totals per sandbox where cgroups work,
-``/tmp`` and the working directory are size-capped tmpfs where mounting works, and a limit
-that cannot be enforced is named in a warning; the environment is built from scratch;
-output is bounded; ``read_file``, ``write_file``, ``cwd`` and ``restore`` never reach
-outside the working directory.
+Invariants: every process of an ``exec`` is SIGKILLed when the command exits, times out or
+is cancelled; a limit that cannot be enforced is named in a warning; the environment is
+built from scratch; output is bounded; ``read_file``, ``write_file``, ``cwd`` and
+``restore`` never reach outside the working directory.
 """
 
 from __future__ import annotations
@@ -245,6 +240,13 @@ class LocalSandbox(Sandbox):
 
     The environment is ``PATH``, ``HOME`` (the working directory), ``LANG`` and ``TMPDIR``
     plus the ``env`` passed to ``exec``.
+
+    Each ``exec`` runs in a new process group (under bubblewrap also in new user, PID, network,
+    IPC and mount namespaces, with no capabilities) whose every process is SIGKILLed at the end
+    (the exec's own cgroup reaches those that left the group).  When agentroll runs as root,
+    commands run as an unprivileged uid of their sandbox's own; memory, pids and CPU are totals
+    per sandbox where cgroups work, and ``/tmp`` and the working directory are size-capped tmpfs
+    where mounting works.
     """
 
     def __init__(self, config: SandboxConfig | None = None) -> None:

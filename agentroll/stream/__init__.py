@@ -1,14 +1,9 @@
 """Trajectory stream: rollout workers serve finished trajectories, trainers lease and ack them.
 
-Worker API (``stream_app``; all bodies msgpack, JSON with ``Accept``/``Content-Type:
-application/json``): ``POST /v1/lease`` (``max``, ``wait``, ``trainer_version``: at most the
-version of the last weights pushed; 200 ``LeaseBatch`` or 204, 409 above it), ``POST
-/v1/ack`` (``{"ids": [...]}`` -> ``{"acked": n}``), ``POST /v1/weights`` (a streamed
-``WeightUpdate``), ``GET /v1/status``, ``GET /metrics``.  Every route requires
-``Authorization: Bearer <token>``; a worker writes its token to ``<run_dir>/stream.token``
-(``agentroll.stream.auth``).  Invariant: a trajectory is fsync'd to the spool before it is
-offered and leaves it only when acknowledged, or dropped as stale into the spool's dropped
-segment (counted); the client dedupes by id, so a consumer sees each trajectory exactly once.
+Invariants: every route of the worker's API (``stream_app``) requires a bearer token; a
+trajectory is fsync'd to the spool before it is offered and leaves it only when
+acknowledged, or dropped as stale into the spool's dropped segment (counted); the client
+dedupes by id, so a consumer sees each trajectory exactly once.
 """
 
 from agentroll.stream.api import serve_stream, stream_app

@@ -71,10 +71,18 @@ def _reply(request: Request, obj: Any) -> Response:
 
 
 def stream_app(stream: TrajectoryStream, *, token: str, stop: asyncio.Event | None = None) -> App:
-    """The worker's HTTP API over ``stream`` (routes in the module docstring of
-    ``agentroll.stream``), for ``agentroll.stream.http.serve``; every route requires
-    ``token`` (``ConfigError`` when it is empty; see ``agentroll.stream.auth``).  ``stop``,
-    once set, ends pending long-polls with 204."""
+    """The worker's HTTP API over ``stream``, for ``agentroll.stream.http.serve``; every route
+    requires ``token`` (``ConfigError`` when it is empty; see ``agentroll.stream.auth``).
+    ``stop``, once set, ends pending long-polls with 204.
+
+    Routes (all bodies msgpack, JSON with ``Accept``/``Content-Type: application/json``):
+    ``POST /v1/lease`` (``max``, ``wait``, ``trainer_version``: at most the version of the
+    last weights pushed; 200 ``LeaseBatch`` or 204, 409 above it), ``POST /v1/ack``
+    (``{"ids": [...]}`` -> ``{"acked": n}``), ``POST /v1/weights`` (a streamed
+    ``WeightUpdate``), ``GET /v1/status``, ``GET /metrics``.  Every route requires
+    ``Authorization: Bearer <token>``; a worker writes its token to
+    ``<run_dir>/stream.token`` (``agentroll.stream.auth``).
+    """
     token = check_token(token, "the stream token")
     config = stream.config
     stop = stop or asyncio.Event()

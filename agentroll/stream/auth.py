@@ -1,10 +1,9 @@
 """The stream's bearer token: where a worker keeps it and where a trainer finds it.
 
-Invariants: a worker always serves with a non-empty token (given, else the one in its run
-directory's ``stream.token``, else a new ``secrets.token_urlsafe(32)``), and that file holds
-it with mode 0600, written atomically; a consumer reads it from the environment variable
-(``AGENTROLL_STREAM_TOKEN`` unless told otherwise), else from that file.  Loopback is not a
-trust boundary: a sandbox without its own network namespace reaches 127.0.0.1 too.
+Invariants: a worker always serves with a non-empty token, held in its run directory's
+``stream.token`` with mode 0600, written atomically; a consumer reads it from the environment
+variable, else from that file.  Loopback is not a trust boundary: a sandbox without its own
+network namespace reaches 127.0.0.1 too.
 """
 
 from __future__ import annotations
@@ -68,7 +67,8 @@ def ensure_token(run_dir: Path, given: str | None) -> str:
     (mode 0600, atomically; ``run_dir`` is created if missing).
 
     ``given`` wins (e.g. from the recipe's ``stream.token_env``); else the token already in
-    the file (a restarted worker keeps its trainers' token); else a new one.  Raises
+    the file (a restarted worker keeps its trainers' token); else a new one
+    (``secrets.token_urlsafe(32)``).  Raises
     ``ConfigError`` when ``given`` or the file's token is empty, ``OSError`` when the file
     cannot be written."""
     run_dir = Path(run_dir)
@@ -93,9 +93,9 @@ def ensure_token(run_dir: Path, given: str | None) -> str:
 
 def load_token(run_dir: str | Path | None = None, *, env: str | None = TOKEN_ENV) -> str:
     """The token a consumer sends: the environment variable ``env`` when it is set (None:
-    the environment is not consulted), else ``run_dir/stream.token``.  Raises
-    ``ConfigError`` naming both places when neither has one, or when the one found is
-    empty."""
+    the environment is not consulted; default ``AGENTROLL_STREAM_TOKEN``), else
+    ``run_dir/stream.token``.  Raises ``ConfigError`` naming both places when neither has
+    one, or when the one found is empty."""
     if env is not None and env in os.environ:
         return check_token(os.environ[env], f"the environment variable {env}")
     if run_dir is not None:

@@ -1,10 +1,9 @@
-"""Trainer algorithms: the advantage estimator and the per-token objective of the reference
-trainer, chosen by name (``trainer.algorithm`` of a recipe).
+"""Trainer algorithms: the advantage estimator and per-token objective of the reference trainer.
 
-Invariants: ``grpo`` is ``group_advantages`` with ``ppo_objective``, exactly what
-``collate`` and ``GRPOTrainer`` do by default; any other name is an ``Algorithm`` registered
-in entry point group ``agentroll.trainers``; advantages are one value per trajectory, in the
-order given, for whole groups at once.
+Invariants: ``grpo`` is ``group_advantages`` with ``ppo_objective`` (the defaults of
+``collate`` and ``GRPOTrainer``); another name is an ``Algorithm`` registered in entry point
+group ``agentroll.trainers``; advantages are one value per trajectory, in order, for whole
+groups at once.
 """
 
 from __future__ import annotations

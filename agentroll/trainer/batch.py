@@ -2,9 +2,8 @@
 
 Invariants: row ``i`` of every tensor of a ``Batch`` is trajectory ``i``, right-padded; the
 token ids are exactly the sampled/rendered ids (never re-tokenised); ``loss_mask`` is 1
-exactly on the trajectory's sampled tokens (within ``max_len``) and never on padding;
-behaviour logprobs are 0 and versions -1 wherever ``loss_mask`` is 0.  The dataset's
-background thread and event loop never outlive the iteration that started them.
+exactly on sampled tokens (within ``max_len``), never on padding, and behaviour logprobs are
+0 and versions -1 wherever it is 0; the dataset's thread and loop end with its iteration.
 """
 
 from __future__ import annotations
@@ -257,6 +256,8 @@ class TrajectoryDataset(IterableDataset[Batch]):
     process would open its own source.  ``pad_id`` and ``max_len`` go to :func:`collate`;
     ``advantages`` maps a list of trajectories to their advantages (default: group-normalised
     over the list).
+
+    Its background thread and event loop never outlive the iteration that started them.
     """
 
     def __init__(

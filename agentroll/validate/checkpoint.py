@@ -1,10 +1,7 @@
 """The ``episode_checkpoint_parity`` check: episodes killed mid-generation and mid-tool-call
 finish in a new process exactly as uninterrupted runs do (seeded, weights unchanged).
-
-Role: a reference run here, a worker process that SIGTERMs itself while one episode is
-generating and another's tool call is held open, a second process continuing from the
-checkpoints; trajectories compared.  Invariants: the signal moment is chosen from the
-reference (>= ``MARGIN`` tokens still to come), so machine load cannot change the outcome.
+Invariant: the signal moment is chosen from the reference (>= ``MARGIN`` tokens still to
+come), so machine load cannot change the outcome.
 """
 
 from __future__ import annotations
@@ -246,7 +243,12 @@ async def _reference(model: Path, device: str, workdir: Path) -> list[Trajectory
 
 def check_episode_checkpoint_parity(model: Path, device: str = "cpu") -> CheckResult:
     """Kill a worker (SIGTERM) while one episode is mid-generation and one mid-tool-call,
-    continue in a new process, and compare with an uninterrupted run."""
+    continue in a new process, and compare with an uninterrupted run.
+
+    A reference run here, a worker process that SIGTERMs itself while one episode is
+    generating and another's tool call is held open, a second process continuing from the
+    checkpoints; trajectories compared.
+    """
     from agentroll.rollout.checkpoint import load_checkpoints
     from agentroll.run.worker import read_trajectories
 

@@ -2,21 +2,8 @@
 
 Role: run multi-turn tool episodes (the checkpoint probe environment) with weight syncs in
 the middle and compare every token's recorded versions with what the sync timeline says
-they must be.
-
-- ``provenance`` (one engine, ``keep``): at each sync the engine's in-flight requests are
-  recorded (tokens generated, tokens whose KV is computed).  A request's token ``j`` must
-  carry the version of the epoch it was sampled in (the submit epoch plus the syncs that
-  found it with ``<= j`` tokens), and its ``kv_version`` must be the version its prefill
-  started under (the first epoch that found its KV computed), since ``keep`` never
-  recomputes.
-- ``rolling_versions`` (four replicas, rolling updates): no engine step ever returns tokens
-  of two versions; episodes pinned to a version never see another (every sampled token has
-  one policy and KV version); without pinning, versions never decrease within a turn and
-  ``kv_version <= policy_version``.
-
-Invariant: the expectations come from the timeline recorded outside the engine's token
-path, never from the tokens being checked.
+they must be.  Invariant: the expectations come from the timeline recorded outside the
+engine's token path, never from the tokens being checked.
 """
 
 from __future__ import annotations
@@ -92,6 +79,14 @@ async def _inside_a_turn(backend: TorchBackend, timeout: float = 2.0) -> None:
 
 
 async def check_provenance(model: Path, device: str = "cpu", syncs: int = 4) -> CheckResult:
+    """One engine, ``keep``: at each sync the engine's in-flight requests are recorded (tokens
+    generated, tokens whose KV is computed).
+
+    A request's token ``j`` must carry the version of the epoch it was sampled in (the submit
+    epoch plus the syncs that found it with ``<= j`` tokens), and its ``kv_version`` must be the
+    version its prefill started under (the first epoch that found its KV computed), since
+    ``keep`` never recomputes.
+    """
     env = _Probe(num_tasks=6)
     trainer = SyntheticTrainer(model, seed=1)
     backend = _TimelineBackend(model, device=device)
@@ -234,6 +229,12 @@ async def _rolling_run(
 
 
 async def check_rolling_versions(model: Path, device: str = "cpu", syncs: int = 3) -> CheckResult:
+    """Four replicas, rolling updates: no engine step ever returns tokens of two versions.
+
+    Episodes pinned to a version never see another (every sampled token has one policy and KV
+    version); without pinning, versions never decrease within a turn and ``kv_version <=
+    policy_version``.
+    """
     figures: dict[str, Any] = {}
     passed = True
     for pin in (True, False):

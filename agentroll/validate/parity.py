@@ -1,10 +1,9 @@
 """Learning-semantics checks of a backend (``agentroll validate --backend torch``).
 
 Each check runs real generations on the project-made tiny model and returns a
-``CheckResult``; the CLI prints one ``check=<name> status=pass|fail <figures>`` line each.
-Invariants: a check compares against a reference computed in the same run (uninterrupted
-generation, a fresh rescoring, transformers), never against stored numbers; the checks run
-the engine in its batch-invariant mode, the mode in which exact parity is promised.
+``CheckResult`` (one ``check=<name> status=pass|fail <figures>`` line).  Invariants: a check
+compares against a reference computed in the same run, never against stored numbers; the
+checks run the engine in its batch-invariant mode, in which exact parity is promised.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Learning-semantics checks of the ``vllm`` backend (``agentroll validate --backend vllm``).
 
 The checks of the built-in engine that apply to vLLM, on one ``VLLMBackend`` over the
-project-made tiny model, each against a reference computed in the same run:
-
-- ``token_parity_pause``: 16 concurrent seeded requests paused (``keep``, no update) at
-  random token boundaries, several times each, equal uninterrupted generation: identical
-  token ids and bit-identical logprobs.
-- ``recompute_rescore``: a delta update applied mid-generation with ``recompute``: every
-  token after the cut carries the new version on both counts and its logprob equals vLLM's
-  fresh rescoring of the whole sequence under the new weights.
-- ``provenance``: an update with ``keep``, then one with ``recompute``, across concurrent
-  requests: versions never go back, ``kv_version <= policy_version``, tokens after a ``keep``
-  resume keep the old kv version, and vLLM's own version spans agree with ours.
-- ``cross_backend_parity``: on the weights vLLM serves (its verified host copy), vLLM's
-  logprobs of a sequence equal the built-in engine's within ``1e-3`` and greedy tokens match.
+project-made tiny model: ``token_parity_pause``, ``recompute_rescore``, ``provenance``,
+``cross_backend_parity`` and ``served_weights``.  Invariant: each compares against a
+reference computed in the same run, never against stored numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +37,11 @@ def _request(tag: str, i: int, prompt: list[int], max_tokens: int) -> Generation
 
 
 async def check_token_parity_pause(backend: Any, n: int = 16, max_tokens: int = 40) -> CheckResult:
+    """Concurrent seeded requests paused (``keep``, no update) at random token boundaries.
+
+    ``n`` requests, paused several times each, equal uninterrupted generation: identical token
+    ids and bit-identical logprobs.
+    """
     prompts = _prompts(n)
     reference = await asyncio.gather(
         *(collect_stream(backend, _request("ref", i, p, max_tokens)) for i, p in enumerate(prompts))
@@ -115,6 +110,11 @@ async def _with_update(
 async def check_recompute_rescore(
     backend: Any, trainer: Any, n: int = 8, max_tokens: int = 32
 ) -> CheckResult:
+    """A delta update applied mid-generation with ``recompute``.
+
+    Every token after the cut carries the new version on both counts and its logprob equals
+    vLLM's fresh rescoring of the whole sequence under the new weights.
+    """
     v0 = backend.policy_version
     runs = await _with_update(backend, trainer, "recompute", "recompute", n, max_tokens, 10)
     v1 = backend.policy_version
@@ -147,6 +147,11 @@ async def check_recompute_rescore(
 async def check_provenance(
     backend: Any, trainer: Any, n: int = 8, max_tokens: int = 32
 ) -> CheckResult:
+    """An update with ``keep``, then one with ``recompute``, across concurrent requests.
+
+    Versions never go back, ``kv_version <= policy_version``, tokens after a ``keep`` resume
+    keep the old kv version, and vLLM's own version spans agree with ours.
+    """
     mismatches_before = backend.stats["version_mismatch"]
     wrong = 0
     spanning = 0
@@ -182,6 +187,11 @@ async def check_provenance(
 
 
 async def check_cross_backend_parity(backend: Any, max_tokens: int = 24) -> CheckResult:
+    """The built-in engine against vLLM on the weights vLLM serves (its verified host copy).
+
+    vLLM's logprobs of a sequence equal the built-in engine's within ``1e-3`` and greedy tokens
+    match.
+    """
     from safetensors.torch import save_file
 
     from agentroll.engine.engine import EngineConfig, LLMEngine

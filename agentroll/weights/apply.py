@@ -1,12 +1,9 @@
 """Replica side of weight sync: apply a ``WeightUpdate`` to live weights, all or nothing.
 
-Invariants: an update is refused before anything is written when its base version, a tensor
-name, dtype or shape does not match (``check_base`` and ``WeightLayout.check``, which a
-receiver also runs on an update's header before reading its payloads); once writing starts,
-every touched tensor's checksum and then the whole-model digest are verified, and any
-mismatch or error restores the previous bytes (undo log for CPU tensors, host staging for
-device tensors) and raises ``WeightSyncError`` with version and weights unchanged.  After
-success the replica's digest equals the one the trainer computed.
+Invariants: an update whose base version, a tensor name, dtype or shape does not match is
+refused before anything is written; once writing starts, every touched tensor's checksum and
+then the whole-model digest are verified, and any mismatch or error restores the previous
+bytes and raises ``WeightSyncError``; after success the digest equals the trainer's.
 """
 
 from __future__ import annotations
@@ -100,7 +97,13 @@ def _dtype_label(dtype: torch.dtype) -> str:
 
 class WeightStore:
     """The live weights of one replica (a name -> tensor mapping whose tensors are written in
-    place), their version and a cache of per-tensor checksums."""
+    place), their version and a cache of per-tensor checksums.
+
+    The refusal before writing comes from ``check_base`` and ``WeightLayout.check``, which a
+    receiver also runs on an update's header before reading its payloads.  A failed update
+    restores the previous bytes (undo log for CPU tensors, host staging for device tensors) and
+    leaves version and weights unchanged.
+    """
 
     def __init__(self, tensors: MutableMapping[str, torch.Tensor], *, version: int = 0) -> None:
         self.tensors = tensors

@@ -1,31 +1,9 @@
 """Delta codec for one tensor: changed positions as Rice-coded gaps plus replacement values.
 
-Invariants: new and base are compared bytewise (integer views, no float tolerance, NaN
-payloads count); a delta carries the *replacement* values, so decoding is bit-exact by
-construction; header and gap sections are covered by an xxh3-64, so a malformed payload is
-refused with ``WeightSyncError`` before a single byte of the target is written.  Big tensors
-are scanned in 1 MiB blocks and coded in chunks: extra memory is a 128 KiB mask plus
-O(changes), never a full-size temporary (except the bytes of a full payload).  Pure: CPU
-tensors in, bytes out; no I/O, no threads.
-
-Delta payload (all integers little-endian)::
-
-    header  magic b"ARDT", version u8 = 1, itemsize u8, flags u8 = 0, pad u8,
-            numel u64, num_changed u64, chunk_elems u64, num_chunks u32, pad u32,
-            struct_hash u64  (xxh3-64 of header with this field zeroed + every chunk's
-                              header, unary and remainder sections)
-    chunk   num_changes u32, k u8 (Rice parameter), pad 3, unary_len u32, then
-            unary      the quotients g >> k in unary: q zero bits then a one bit, LSB first
-            remainder  bits k%8 .. k-1 of each gap as k // 8 little-endian bytes per gap,
-                       then bits 0 .. k%8-1 as k % 8 bit planes of ceil(n / 8) bytes
-            values     the new values at the changed positions as byte planes (every
-                       byte 0, then every byte 1, ...: sign/exponent bytes compress well)
-
-Within a chunk (at most 2**31 elements), gap i is ``pos[i] - pos[i-1] - 1`` with
-``pos[-1] = -1`` and positions relative to the chunk start, so positions are strictly
-increasing by construction.  Random changes have geometric gaps, for which a Rice code is
-within ~0.03 bit of the entropy.  A payload with ``compression='zstd'`` is one zstd frame
-(content size and checksum included) of the above.
+Invariants: new and base are compared bytewise (no float tolerance, NaN payloads count); a
+delta carries the *replacement* values, so decoding is bit-exact; a malformed payload is
+refused with ``WeightSyncError`` before a byte of the target is written; extra memory is
+O(changes) plus a small mask, never a full-size temporary.  Pure: no I/O, no threads.
 """
 
 from __future__ import annotations
@@ -334,9 +312,32 @@ def encode_tensor(
     8, at most 2**31) is the payload's chunk length, the unit of the gap code; the default
     covers ``CHUNK_BYTES`` of data.  ``checksum`` is ``tensor_checksum(new)``.
 
-    Synchronous and CPU-bound (about 4 GB/s of model bytes at 1% changed): call it off the
-    event loop.  Raises ``ValueError`` for tensors that cannot be compared (device, layout,
+    Synchronous and CPU-bound (it compares and hashes every byte): call it off the event
+    loop.  Raises ``ValueError`` for tensors that cannot be compared (device, layout,
     dtype, shape) or a bad ``chunk_elems``.
+
+    Big tensors are scanned in 1 MiB blocks and coded in chunks: extra memory is a 128 KiB mask
+    plus O(changes), never a full-size temporary (except the bytes of a full payload).  Header
+    and gap sections are covered by an xxh3-64, checked before anything is decoded.
+
+    Delta payload (all integers little-endian)::
+
+        header  magic b"ARDT", version u8 = 1, itemsize u8, flags u8 = 0, pad u8,
+                numel u64, num_changed u64, chunk_elems u64, num_chunks u32, pad u32,
+                struct_hash u64  (xxh3-64 of header with this field zeroed + every chunk's
+                                  header, unary and remainder sections)
+        chunk   num_changes u32, k u8 (Rice parameter), pad 3, unary_len u32, then
+                unary      the quotients g >> k in unary: q zero bits then a one bit, LSB first
+                remainder  bits k%8 .. k-1 of each gap as k // 8 little-endian bytes per gap,
+                           then bits 0 .. k%8-1 as k % 8 bit planes of ceil(n / 8) bytes
+                values     the new values at the changed positions as byte planes (every
+                           byte 0, then every byte 1, ...: sign/exponent bytes compress well)
+
+    Within a chunk (at most 2**31 elements), gap i is ``pos[i] - pos[i-1] - 1`` with
+    ``pos[-1] = -1`` and positions relative to the chunk start, so positions are strictly
+    increasing by construction.  Random changes have geometric gaps, for which a Rice code is
+    within ~0.03 bit of the entropy.  A payload with ``compression='zstd'`` is one zstd frame
+    (content size and checksum included) of the above.
     """
     dtype = dtype_name(new.dtype)
     new_u = as_uint(new)

@@ -1,19 +1,9 @@
 """torch.distributed weight transport: one rank broadcasts an update to every rank of a group.
 
-Wire format (all collectives are broadcasts from ``src``, then one all-reduce):
-1. an int64 tensor ``[len(H), payload_bytes, bucket_bytes]``;
-2. ``H``: the msgpack ``UpdateHeader`` (per-payload length and xxh3) as a uint8 tensor;
-3. the payloads concatenated in header order, in uint8 buckets of ``bucket_bytes`` (the
-   last one shorter; a bucket may span payloads);
-4. an all-reduce(MIN) of a per-rank ok flag, so every rank -- the sender too -- raises
-   ``WeightSyncError`` if any receiver failed to verify its copy.
-Invariants: receivers verify every payload's xxh3 and never return a partial update; a dead or
-stuck rank surfaces as ``WeightSyncError`` once the process group's timeout expires (init it
-with ``timeout=timedelta(...)``); after such a failure the group is unusable: destroy it
-(``dist.destroy_process_group()``, else gloo can abort the interpreter at exit) and re-create
-it before a retry.  gloo buckets live on the CPU; with NCCL they live on the current
-CUDA device and the sender stages through pinned host memory (the NCCL path is exercised only
-on a GPU machine).
+Invariants: receivers verify every payload's xxh3 and never return a partial update; every
+rank, the sender too, raises ``WeightSyncError`` if any receiver failed to verify its copy;
+a dead or stuck rank surfaces as ``WeightSyncError`` once the process group's timeout
+expires, and the group must then be destroyed and re-created before a retry.
 """
 
 from __future__ import annotations
@@ -79,6 +69,20 @@ def broadcast_update(
     Raises ``ValueError`` when called wrongly (no process group, update given on the wrong
     rank) and ``WeightSyncError`` on every rank when a rank dies or times out, or when any
     receiver's copy fails verification.
+
+    Wire format (all collectives are broadcasts from ``src``, then one all-reduce):
+
+    1. an int64 tensor ``[len(H), payload_bytes, bucket_bytes]``;
+    2. ``H``: the msgpack ``UpdateHeader`` (per-payload length and xxh3) as a uint8 tensor;
+    3. the payloads concatenated in header order, in uint8 buckets of ``bucket_bytes`` (the
+       last one shorter; a bucket may span payloads);
+    4. an all-reduce(MIN) of a per-rank ok flag, so every rank learns whether all verified.
+
+    Init the process group with ``timeout=timedelta(...)``.  After a failure destroy the group
+    (``dist.destroy_process_group()``, else gloo can abort the interpreter at exit) and
+    re-create it before a retry.  gloo buckets live on the CPU; with NCCL they live on the
+    current CUDA device and the sender stages through pinned host memory (the NCCL path is
+    exercised only on a GPU machine).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("broadcast_update needs an initialised torch.distributed process group")

@@ -1,13 +1,9 @@
-"""Weight transports: moving a ``WeightUpdate`` between processes, verified in transit.
-
-Invariants: a receiver never returns a partial update -- every payload is checked against a
-transport-level length and xxh3-128 (of the payload bytes, distinct from the tensor checksum
-that ``apply`` verifies) and any truncated, corrupt or incomplete transfer raises
-``WeightSyncError``; a directory update appears all at once (temp dir + ``os.rename``);
-blocking work runs off the event loop and no worker thread outlives the call that started it.
-Also home of the wire header and byte-stream framing that HTTP and torch.distributed share;
-a ``FrameDecoder`` judges what a header declares (sizes, the receiver's own check) before it
-takes a payload byte, and receives each payload into one buffer of its checked length.
+"""Weight transports: moving a ``WeightUpdate`` between processes, verified in transit, plus
+the wire header and byte-stream framing that HTTP and torch.distributed share.
+Invariants: a receiver never returns a partial update (every payload is checked against a
+transport-level length and xxh3-128); a directory update appears all at once; blocking work
+runs off the event loop and no worker thread outlives the call that started it; a
+``FrameDecoder`` judges a header before it takes a payload byte.
 """
 
 from __future__ import annotations
@@ -345,7 +341,12 @@ class WeightSender(abc.ABC):
 
 class WeightReceiver(abc.ABC):
     """The consumer half: ``receive`` waits for the next update and returns it only after
-    every payload has been verified; otherwise it raises ``WeightSyncError``."""
+    every payload has been verified; otherwise it raises ``WeightSyncError``.
+
+    The transport-level xxh3-128 is of the payload bytes, distinct from the tensor checksum
+    that ``apply`` verifies; any truncated, corrupt or incomplete transfer raises
+    ``WeightSyncError``.  A directory update is written to a temp dir and ``os.rename``d.
+    """
 
     @abc.abstractmethod
     async def receive(self) -> WeightUpdate: ...

@@ -1,11 +1,9 @@
 """One generic decoder-only transformer (Llama, Qwen2, Qwen3) and its safetensors loader.
 
-Parameters carry Hugging Face names, so checkpoints, weight updates and state dicts share one
-naming.  The math is written against :class:`Ops`, supplied by the model runner (linear
-layers, norms, the gated activation, RoPE, paged attention): this file never chooses kernels
-nor touches the KV cache.  For the same weights and tokens it computes what ``transformers``
-computes, up to floating-point rounding.  Checkpoint problems raise :class:`ConfigError`
-naming the file, field or tensor; pickled checkpoints are never loaded.
+Invariants: parameters carry Hugging Face names; the math is written against :class:`Ops`,
+so this file never chooses kernels nor touches the KV cache; for the same weights and tokens
+it computes what ``transformers`` computes, up to rounding; checkpoint problems raise
+:class:`ConfigError` naming the file, field or tensor; pickled checkpoints are never loaded.
 """
 
 from __future__ import annotations
@@ -187,7 +185,12 @@ def weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 class Ops(Protocol):
-    """Kernels the runner provides for one forward step."""
+    """Kernels the runner provides for one forward step.
+
+    The model runner supplies them (linear layers, norms, the gated activation, RoPE, paged
+    attention).  Parameters carry Hugging Face names, so checkpoints, weight updates and state
+    dicts share one naming.
+    """
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """``x @ weight.T + bias`` for ``x`` of shape [rows, in]."""
