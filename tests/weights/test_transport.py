@@ -18,7 +18,6 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
-from weights_server import serve_weights
 
 from agentroll.errors import ConfigError, WeightSyncError
 from agentroll.weights.http import HttpTransport
@@ -294,6 +293,8 @@ async def cutting_proxy(url: str, cut_after: int) -> AsyncIterator[str]:
 
 
 async def test_http_round_trip_and_refusals() -> None:
+    from weights_server import serve_weights  # here: the gloo workers import this module
+
     received: list[WeightUpdate] = []
 
     async def on_update(update: WeightUpdate) -> None:
@@ -322,6 +323,8 @@ async def test_http_round_trip_and_refusals() -> None:
 
 
 async def test_http_connection_dies_half_way_then_retry() -> None:
+    from weights_server import serve_weights  # here: the gloo workers import this module
+
     received: list[WeightUpdate] = []
 
     async def on_update(update: WeightUpdate) -> None:
@@ -342,6 +345,8 @@ async def test_http_connection_dies_half_way_then_retry() -> None:
 
 
 async def test_http_needs_token_off_loopback() -> None:
+    from weights_server import serve_weights  # here: the gloo workers import this module
+
     async def on_update(update: WeightUpdate) -> None: ...
 
     with pytest.raises(ConfigError, match="token"):
