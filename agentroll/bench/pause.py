@@ -138,7 +138,7 @@ async def _sync_at_triggers(
         while not generating() and time.perf_counter() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         loaded.append(generating())
-        done.append(await fleet.update(update, policies=engine.pauses.policies))
+        done.append(await engine.sync(update, policy=engine.pauses.policy))
     return done
 
 

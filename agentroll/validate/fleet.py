@@ -216,7 +216,7 @@ async def _rolling_run(
                 enough = slots + k * per_sync
                 async with progress:
                     await progress.wait_for(lambda: started >= enough)  # noqa: B023
-                await fleet.update(update, policies=engine.pauses.policies)
+                await engine.sync(update, policy=engine.pauses.policy)
                 async with progress:
                     synced += 1
                     progress.notify_all()
