@@ -3,21 +3,15 @@ directory: one backend, sandbox, tool parser and trainer algorithm, each registe
 entry point.
 
 Its pieces fit the built-in ``calculator`` environment: the backend answers in the
-``CALL name {json}`` format of the tool parser, the sandbox runs the ``calc`` command as a
-plain subprocess, and the module-level lists record what was used.
+``CALL name {json}`` format of the tool parser, the sandbox (the local one, under
+another name) runs the ``calc`` command, and the module-level lists record what was used.
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
 import json
 import re
-import shutil
-import sys
-import tarfile
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +21,8 @@ import torch
 from agentroll.backends.base import GenerationRequest
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer, ParsedOutput
-from agentroll.sandbox.base import Sandbox, SandboxConfig
+from agentroll.sandbox.base import SandboxConfig
+from agentroll.sandbox.local import LocalSandbox
 from agentroll.trainer.algorithm import Algorithm
 from agentroll.types import ExecResult, ToolCall, Trajectory
 
@@ -60,77 +55,17 @@ def make_backend(recipe: Any, model_dir: str | Path, index: int) -> MockBackend:
 # -- agentroll.sandboxes: factory(config, *, episode_id) -> Sandbox -----------------------
 
 
-class SubprocessSandbox(Sandbox):
-    """Commands as plain subprocesses in a temporary directory (no isolation at all)."""
+class SubprocessSandbox(LocalSandbox):
+    """The built-in local sandbox under a plugin's name, recording what it is given and runs:
+    a plugin reuses what agentroll has and adds only what is its own."""
 
     def __init__(self, config: SandboxConfig, *, episode_id: str | None = None) -> None:
-        self.config = config
-        self.episode_id = episode_id
-        self.root: Path | None = None
         OPTIONS.append(dict(config.options))
+        super().__init__(config)
 
-    async def start(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="ext-sandbox-"))
-
-    def _path(self, path: str) -> Path:
-        assert self.root is not None, "start() the sandbox first"
-        if path.startswith("/") or ".." in path.split("/"):
-            raise ValueError(f"path {path!r} escapes the sandbox's working directory")
-        return self.root / path
-
-    async def exec(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float | None = None,
-        stdin: str | bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        max_output: int | None = None,
-    ) -> ExecResult:
-        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        COMMANDS.append(argv)
-        if argv[0] == "python3":
-            argv[0] = sys.executable
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=self._path(cwd or "."),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout or self.config.timeout)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            return ExecResult(exit_code=-9, timed_out=True)
-        return ExecResult(exit_code=proc.returncode or 0, stdout=out.decode(), stderr=err.decode())
-
-    async def read_file(self, path: str) -> bytes:
-        return self._path(path).read_bytes()
-
-    async def write_file(self, path: str, data: str | bytes) -> None:
-        target = self._path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data.encode() if isinstance(data, str) else data)
-
-    async def snapshot(self) -> bytes:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(self._path("."), arcname=".")
-        return buf.getvalue()
-
-    async def restore(self, blob: bytes) -> None:
-        root = self._path(".")
-        shutil.rmtree(root)
-        root.mkdir()
-        with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
-            tar.extractall(root, filter="data")
-
-    async def close(self) -> None:
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
+    async def exec(self, cmd: str | list[str], **kwargs: Any) -> ExecResult:
+        COMMANDS.append(["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd))
+        return await super().exec(cmd, **kwargs)
 
 
 # -- agentroll.tool_parsers: factory() -> ToolParser ---------------------------------------
