@@ -19,7 +19,6 @@ import random
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from agentroll.bench.chaos_tally import (
     tally,
 )
 from agentroll.errors import AgentrollError, ConfigError
+from agentroll.run.loop import worker_command
 
 if TYPE_CHECKING:
     from agentroll.stream.client import StreamClient
@@ -119,20 +119,9 @@ class _Worker:
     def start(self) -> None:
         self.ready_file.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "agentroll.cli",
-            "worker",
-            "--recipe",
-            str(self.root / "recipe.toml"),
-            "--model",
-            str(self.root / "model"),
-            "--run-dir",
-            str(self.run_dir),
-            "--ready-file",
-            str(self.ready_file),
-        ]
+        cmd = worker_command(
+            self.root / "recipe.toml", self.root / "model", self.run_dir, self.ready_file
+        )
         with open(self.log_path, "ab") as log, open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=log, env=self.env)
         self.starts += 1

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentroll._fs import atomic_file
+
 COLUMNS = ("benchmark", "command", "result", "date", "machine")
 
 HEADER = (
@@ -145,9 +147,8 @@ def record(path: Path, row: ResultRow) -> None:
     file is replaced atomically, so a reader never sees half a table."""
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(upsert(text, row), encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(upsert(text, row), encoding="utf-8")
 
 
 __all__ = [

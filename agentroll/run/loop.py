@@ -120,6 +120,25 @@ def warmup(recipe: Recipe, model_dir: Path, run_dir: Path, demos: list[Trajector
     return Path(out)
 
 
+def worker_command(recipe: Path, model_dir: Path, run_dir: Path, ready_file: Path) -> list[str]:
+    """The command line of a recipe worker process (``agentroll worker --recipe``) that writes
+    ``ready_file`` once it serves."""
+    return [
+        sys.executable,
+        "-m",
+        "agentroll.cli",
+        "worker",
+        "--recipe",
+        str(recipe),
+        "--model",
+        str(model_dir),
+        "--run-dir",
+        str(run_dir),
+        "--ready-file",
+        str(ready_file),
+    ]
+
+
 class WorkerProcess:
     """``agentroll worker --recipe`` as a child process; ``url`` once it serves."""
 
@@ -136,20 +155,7 @@ class WorkerProcess:
         self.ready_file.unlink(missing_ok=True)
         env = dict(os.environ)
         env[token_env] = token  # the variable the recipe's worker reads (stream.token_env)
-        cmd = [
-            sys.executable,
-            "-m",
-            "agentroll.cli",
-            "worker",
-            "--recipe",
-            str(recipe_path),
-            "--model",
-            str(model_dir),
-            "--run-dir",
-            str(run_dir),
-            "--ready-file",
-            str(self.ready_file),
-        ]
+        cmd = worker_command(recipe_path, model_dir, run_dir, self.ready_file)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
