@@ -20,6 +20,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 import httptools
 import msgspec
@@ -36,6 +37,7 @@ _MAX_HEADERS = 128
 _BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
 _PIPELINE = 16  # requests waiting behind the current one before reading pauses
 _LINGER = 5.0  # seconds a closing connection discards what the peer still sends
+_STREAM_BUFFER = 1 << 20  # bytes of a streamed body buffered before waiting for the client
 
 
 class HTTPConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,13 +105,18 @@ class FileRange:
 class Response:
     """Status, headers and a body made of byte strings and file ranges, sent in order.
     ``on_close`` is called once the response was sent or failed (once): it gives back what
-    the response holds, e.g. closes or returns the descriptors of its ranges' files."""
+    the response holds, e.g. closes or returns the descriptors of its ranges' files.
+
+    ``stream``: a body produced while it is sent (server-sent events), after ``parts``, with
+    chunked transfer encoding.  When the client leaves, the iterator is closed (cancelled
+    where it waits), so what produces it stops."""
 
     status: int = 200
     parts: Sequence[bytes | memoryview | FileRange] = ()
     content_type: str | None = None
     headers: Sequence[tuple[str, str]] = ()
     on_close: Callable[[], None] | None = None
+    stream: AsyncIterator[bytes] | None = None
 
     @classmethod
     def text(cls, status: int, text: str, headers: Sequence[tuple[str, str]] = ()) -> Response:
@@ -228,10 +235,16 @@ class Request:
 
 @dataclass
 class App:
-    """Routes (``path -> method -> handler``) behind an optional bearer token."""
+    """Routes (``path -> method -> handler``) behind an optional bearer token.
+
+    ``fallback`` answers the paths no route names (an app with path parameters routes them
+    itself).  ``authorize``, when set, replaces the token check: it returns why a request is
+    refused (answered 401), or None."""
 
     routes: dict[str, dict[str, Handler]]
     token: str | None = None
+    fallback: Handler | None = None
+    authorize: Callable[[Request], str | None] | None = None
     _expected: bytes | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -241,7 +254,12 @@ class App:
             self._expected = f"Bearer {self.token}".encode()
 
     async def handle(self, request: Request) -> Response:
-        if self._expected is not None:
+        if self.authorize is not None:
+            refused = self.authorize(request)
+            if refused is not None:
+                return Response.text(401, refused, [("www-authenticate", "Bearer")])
+            request._conn.trusted = True
+        elif self._expected is not None:
             given = request.headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self._expected):
                 return Response.text(
@@ -255,6 +273,8 @@ class App:
             request._conn.trusted = True
         methods = self.routes.get(request.path)
         if methods is None:
+            if self.fallback is not None:
+                return await self.fallback(request)
             return Response.text(404, f"no route {request.path!r}")
         handler = methods.get(request.method)
         if handler is None:
@@ -521,7 +541,9 @@ class _Connection(asyncio.Protocol):
         except ValueError:
             reason = ""
         lines = [f"HTTP/1.1 {response.status} {reason}"]
-        if response.status not in (204, 304):
+        if response.stream is not None:
+            lines.append("transfer-encoding: chunked")
+        elif response.status not in (204, 304):
             lines.append(f"content-length: {response.length()}")
         if response.content_type is not None:
             lines.append(f"content-type: {response.content_type}")
@@ -561,6 +583,47 @@ class _Connection(asyncio.Protocol):
                     raise OSError(f"sendfile: the file ended {left} bytes early (truncated?)")
                 offset += sent
                 left -= sent
+        if response.stream is not None:
+            await self._send_stream(transport, response.stream)
+
+    async def _send_stream(self, transport: asyncio.Transport, body: AsyncIterator[bytes]) -> None:
+        """Send ``body`` in chunked encoding while the client is there; the iterator is closed
+        in every case (cancelled in its wait when the client leaves)."""
+        it = aiter(body)
+        try:
+            while True:
+                step: asyncio.Future[bytes] = asyncio.ensure_future(anext(it))
+                if not step.done():
+                    waits: set[asyncio.Future[Any]] = {step, self.lost}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # the client left while the body was being produced
+                    step.cancel()
+                    with contextlib.suppress(BaseException):
+                        await step
+                    raise ConnectionError("the client closed the connection during the response")
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    break
+                if transport.is_closing():
+                    raise ConnectionError("the client closed the connection during the response")
+                if chunk:
+                    transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                if transport.get_write_buffer_size() > _STREAM_BUFFER:
+                    await self._drain()
+            transport.write(b"0\r\n\r\n")
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _drain(self) -> None:
+        """Wait until the transport's buffer drained (or the client left: ConnectionError)."""
+        while self._drained is not None and not self._drained.done():
+            await asyncio.wait({self._drained, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+            if self.lost.done():
+                raise ConnectionError("the client closed the connection during the response")
 
     async def _writable(self, fd: int) -> None:
         """Wait until the socket takes more (on a dup of it: asyncio keeps the original
@@ -643,7 +706,7 @@ async def serve(
     what RLIMIT_NOFILE allows).  On exit: ``on_exit`` runs (e.g. to end long-polls), the
     listener closes, requests being answered get up to ``grace`` seconds, then every
     connection is closed, also when the block is cancelled."""
-    if app.token is None and not is_loopback(host):
+    if app.token is None and app.authorize is None and not is_loopback(host):
         raise ConfigError(f"serving {what} on {host!r} needs a token (or bind 127.0.0.1)")
     state = _Server(app, _fit_nofile(config or HTTPConfig(), what))
     sock = socket.create_server((host, port))
