@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from agentroll.backends.vllm import VLLMBackend
     from agentroll.backends.vllm_server import VLLMServerBackend
     from agentroll.fleet import FleetBackend, LocalReplica
+    from agentroll.gateway import AgentEnvironment, Gateway, GatewayConfig
     from agentroll.stream import StreamClient
     from agentroll.trainer import GRPOTrainer, Trainer, TrainStats
     from agentroll.weights import WeightExporter, WeightUpdate
@@ -71,7 +72,10 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it, imported on first access
 _LAZY = {
+    "AgentEnvironment": "agentroll.gateway",
     "FleetBackend": "agentroll.fleet",
+    "Gateway": "agentroll.gateway",
+    "GatewayConfig": "agentroll.gateway",
     "GRPOTrainer": "agentroll.trainer",
     "LocalReplica": "agentroll.fleet",
     "StreamClient": "agentroll.stream",
@@ -98,6 +102,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AdmissionController",
+    "AgentEnvironment",
     "AgentrollError",
     "Backend",
     "BackendError",
@@ -115,6 +120,8 @@ __all__ = [
     "ExecResult",
     "FleetBackend",
     "GRPOTrainer",
+    "Gateway",
+    "GatewayConfig",
     "GenerationChunk",
     "GenerationRequest",
     "GenerationTimeout",

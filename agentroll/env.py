@@ -18,7 +18,7 @@ import pkgutil
 import re
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import msgspec
 
@@ -71,6 +71,23 @@ async def call_hook(
         return await fn(*args, **kwargs)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+
+
+@runtime_checkable
+class DrivesEpisodes(Protocol):
+    """An environment whose episodes run themselves (an outside agent calling the model
+    through the gateway): the engine opens it with its backend once, hands it each episode,
+    and closes it when the engine closes.  ``drive_episode`` returns the episode's samples
+    in order (the last is the episode's own; earlier ones were forked away from), scored;
+    it raises only for a broken environment (the episode then fails)."""
+
+    async def open_driver(self, backend: Any, tokenizer: Any) -> None: ...
+
+    async def drive_episode(
+        self, task: Task, state: EpisodeState, group_id: str
+    ) -> list[Trajectory]: ...
+
+    async def close_driver(self) -> None: ...
 
 
 # -- rewards --------------------------------------------------------------------------------
@@ -335,6 +352,7 @@ def load_environment(name: str, **kwargs: Any) -> Environment:
 
 __all__ = [
     "INJECTED",
+    "DrivesEpisodes",
     "Environment",
     "EpisodeState",
     "Rubric",

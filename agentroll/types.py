@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
-Status = Literal["ok", "truncated", "failed"]
+Status = Literal["ok", "truncated", "failed", "abandoned"]
 #: what happens to a generation in flight when the weights change under it
 ResumePolicy = Literal["keep", "recompute", "restart"]
 #: how a fleet moves its replicas to new weights
@@ -217,6 +217,22 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     env_seconds: float = 0.0
 
 
+class Fork(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """Where a sample began instead of extending another one: the conversation it was asked
+    to continue is not the one that sample's tokens hold (``reason``: ``history_edited``
+    the client changed or dropped earlier messages, ``tools_changed``, ``template_rewrites``
+    the chat template renders the history differently once more is added, ``n`` one of
+    several choices of a call).  ``common_tokens``: tokens the new sample shares with
+    ``from_sample``'s; ``mismatched_tokens``: ``from_sample``'s tokens after them, which a
+    re-tokenising proxy would have replaced silently."""
+
+    from_sample: int
+    at_call: int
+    reason: str
+    common_tokens: int = 0
+    mismatched_tokens: int = 0
+
+
 def _empty(name: str) -> Any:
     return msgspec.field(default_factory=lambda: np.zeros(0, TOKEN_ARRAY_DTYPES[name]))
 
@@ -226,7 +242,8 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
 
     Per token: ``token_ids``, ``logprobs`` (NaN where not generated), ``loss_mask`` (1 exactly
     on sampled tokens), ``policy_version`` and ``kv_version`` (-1 where not generated).
-    ``prompt_len`` is the length of the first rendered prompt.
+    ``prompt_len`` is the length of the first rendered prompt.  ``forks``: how this sample
+    began when it is not its episode's first (a rewritten history starts a new sample).
 
     A Trajectory and what it holds (Turn, Message, ToolCall, ToolResult) form a tree: these
     types are ``gc=False`` (the cyclic GC never walks them: a lease decodes thousands at a
@@ -255,6 +272,7 @@ class Trajectory(msgspec.Struct, kw_only=True, eq=False, gc=False):
     kv_version: np.ndarray = _empty("kv_version")
     turns: list[Turn] = []
     messages: list[Message] = []
+    forks: list[Fork] = []
     started_at: float = 0.0
     finished_at: float = 0.0
     metrics: dict[str, float] = {}

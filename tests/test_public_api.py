@@ -5,6 +5,7 @@ import agentroll
 
 EXPECTED = [
     "AdmissionController",
+    "AgentEnvironment",
     "AgentrollError",
     "Backend",
     "BackendError",
@@ -22,6 +23,8 @@ EXPECTED = [
     "ExecResult",
     "FleetBackend",
     "GRPOTrainer",
+    "Gateway",
+    "GatewayConfig",
     "GenerationChunk",
     "GenerationRequest",
     "GenerationTimeout",

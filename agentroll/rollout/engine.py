@@ -36,7 +36,7 @@ from agentroll.backends.base import (
     UpdatesInRotation,
 )
 from agentroll.chat import ChatTokenizer, get_tool_parser
-from agentroll.env import Environment
+from agentroll.env import DrivesEpisodes, Environment
 from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.rollout.builder import TrajectoryBuilder
@@ -154,6 +154,8 @@ class RolloutEngine(EpisodeLoop):
         )
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
+        if isinstance(self.env, DrivesEpisodes):
+            await self.env.open_driver(self.backend, self.tokenizer)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -172,6 +174,8 @@ class RolloutEngine(EpisodeLoop):
                     if exc[1] is None or list(group.exceptions) != [exc[1]]:
                         raise
         finally:
+            if isinstance(self.env, DrivesEpisodes):
+                await self.env.close_driver()
             if self._executor is not None:
                 # Threads of hung sync tools cannot be killed; they are abandoned, not joined.
                 self._executor.shutdown(wait=False, cancel_futures=True)
@@ -514,7 +518,8 @@ class RolloutEngine(EpisodeLoop):
                         restart_of=origin.episode_id if isinstance(origin, EpisodeJob) else "",
                     )
                     traj = outcome.trajectory
-                    undelivered[traj.id] = traj
+                    for t in outcome.all:
+                        undelivered[t.id] = t
                     owed.pop((traj.group_id, traj.sample_index), None)
                     await results.put(outcome)
             except asyncio.CancelledError:
@@ -539,7 +544,8 @@ class RolloutEngine(EpisodeLoop):
                 # ``finished`` too (a stop took the whole group back before delivering it)
                 group = pending.setdefault(traj.group_id, [])
                 group.append(_Outcome(traj, self.env))
-                if len(group) == self.config.samples_per_task:
+                # a forked episode hands back several samples under one sample index
+                if len({o.trajectory.sample_index for o in group}) == self.config.samples_per_task:
                     del pending[traj.group_id]
                     yield await self._whole(group)
             while stopped < len(workers):  # a worker starts the next before it can stop
@@ -551,7 +557,7 @@ class RolloutEngine(EpisodeLoop):
                     raise item
                 progress.advance(failed=item.trajectory.status == "failed")
                 if not grouped:
-                    yield [item.trajectory]
+                    yield item.all
                     continue
                 group = pending.setdefault(item.trajectory.group_id, [])
                 group.append(item)
@@ -570,7 +576,7 @@ class RolloutEngine(EpisodeLoop):
         environment has them, by sample index otherwise."""
         if self._has_group_reward:
             return await self._score_group(group)
-        return sorted((o.trajectory for o in group), key=lambda t: t.sample_index)
+        return sorted((t for o in group for t in o.all), key=lambda t: t.sample_index)
 
     async def _score_group(self, group: list[_Outcome]) -> list[Trajectory]:
         rubric = group[0].env.rubric

@@ -25,7 +25,7 @@ from agentroll.backends.base import (
     SupportsSnapshot,
 )
 from agentroll.chat import ChatTokenizer, ParsedOutput
-from agentroll.env import Environment, EpisodeState, call_hook
+from agentroll.env import DrivesEpisodes, Environment, EpisodeState, call_hook
 from agentroll.errors import BackendError, ConfigError, GenerationTimeout
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
@@ -76,13 +76,21 @@ async def close_shielded(sandbox: Sandbox) -> None:
 
 
 class _Outcome:
-    """A finished episode waiting for its group (group rewards need all samples)."""
+    """A finished episode waiting for its group (group rewards need all samples).
+    ``earlier``: the episode's samples before ``trajectory`` (it forked away from them)."""
 
-    __slots__ = ("env", "trajectory")
+    __slots__ = ("earlier", "env", "trajectory")
 
-    def __init__(self, trajectory: Trajectory, env: Environment) -> None:
+    def __init__(
+        self, trajectory: Trajectory, env: Environment, earlier: list[Trajectory] | None = None
+    ) -> None:
         self.trajectory = trajectory
         self.env = env
+        self.earlier = earlier or []
+
+    @property
+    def all(self) -> list[Trajectory]:
+        return [*self.earlier, self.trajectory]
 
 
 class EpisodeLoop:
@@ -133,6 +141,7 @@ class EpisodeLoop:
                 self.stats["restarted_turns"] += 1
         self._live[state.episode_id] = run
         traj: Trajectory | None = None
+        earlier: list[Trajectory] = []
         error: str | None = None
         timer = asyncio.timeout(cfg.episode_timeout)
         try:
@@ -142,7 +151,10 @@ class EpisodeLoop:
                     run.sandbox = open_sandbox(env.sandbox_config, episode_id=state.episode_id)
                     await run.sandbox.start()
                     state.sandbox = run.sandbox
-                if checkpoint is not None:
+                if isinstance(env, DrivesEpisodes) and checkpoint is None:
+                    samples = await env.drive_episode(task, state, run.group_id)
+                    traj, earlier = self._driven(run, samples)
+                elif checkpoint is not None:
                     await self._restore_run(run, checkpoint)
                 else:
                     reset = await call_hook(
@@ -153,10 +165,11 @@ class EpisodeLoop:
                     prompt = await self._prompt_ids(run.messages)
                     run.builder.add_context(prompt)
                     run.prompt_len = len(prompt)
-                run.status, run.stop_reason = await self._turns(run)
-                run.phase = "scoring"
-                traj = self._build(run)
-                await self._score(env, state, traj)
+                if traj is None:
+                    run.status, run.stop_reason = await self._turns(run)
+                    run.phase = "scoring"
+                    traj = self._build(run)
+                    await self._score(env, state, traj)
         except TimeoutError as exc:
             run.stop_reason = "timeout"
             error = (
@@ -192,7 +205,23 @@ class EpisodeLoop:
         self.stats["episodes"] += 1
         self.stats["failed"] += error is not None
         self.stats["turns"] += len(run.turns)
-        return _Outcome(traj, env)
+        return _Outcome(traj, env, earlier)
+
+    def _driven(
+        self, run: EpisodeRun, samples: list[Trajectory]
+    ) -> tuple[Trajectory | None, list[Trajectory]]:
+        """A self-driven episode's samples under this episode's identity: the last is the
+        episode's trajectory, the earlier ones are delivered with it."""
+        st = run.state
+        for k, t in enumerate(samples):
+            last = k == len(samples) - 1
+            t.id = st.episode_id if last else f"{st.episode_id}-s{k}"
+            t.group_id, t.sample_index, t.seed = run.group_id, st.sample_index, st.seed
+            t.env_name, t.env_version = run.env.name, run.env.version
+        if not samples:
+            run.stop_reason = "no_calls"
+            return None, []
+        return samples[-1], samples[:-1]
 
     def _build(self, run: EpisodeRun) -> Trajectory:
         st, turns = run.state, run.turns
