@@ -1,4 +1,4 @@
-"""Command line: ``agentroll run | worker | report | bench | validate | envs | model | sandbox``.
+"""Command line: ``agentroll run | worker | gateway | report | bench | validate | envs | model | sandbox``.
 
 A thin dispatcher: each subcommand lives in ``agentroll.commands.<name>`` (imported only when
 used) and returns the exit status; an ``AgentrollError`` prints one line that says what to do
@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rollout worker: with --recipe it serves the trajectory stream until stopped; "
         "with --env it runs the tasks into --out.  SIGTERM checkpoints in-flight episodes "
         "and a restart continues them",
+    ),
+    "gateway": (
+        "agentroll.commands.gateway",
+        "serve an OpenAI-compatible gateway for existing agents, plus the trajectory stream",
     ),
     "report": (
         "agentroll.commands.report",

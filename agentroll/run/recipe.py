@@ -336,6 +336,29 @@ class StreamSection(_Section, frozen=True):
             raise ValueError(f"stream.port={self.port}; use 0 (any free port) to 65535")
 
 
+class GatewaySection(_Section, frozen=True):
+    """``agentroll gateway``: the OpenAI-compatible endpoint outside agents call."""
+
+    name_in_toml = "gateway"
+    bounds = {
+        "port": Bound(0, 65535, "(0: any free port)"),
+        "idle_timeout": Bound(0, 86_400, "seconds", low_open=True),
+        "max_tokens": Bound(1, 1 << 20, "tokens"),
+    }
+
+    host: str = "127.0.0.1"  # another address needs the stream's token (required then)
+    port: int = 0  # 0: any free port
+    tool_parser: str = "hermes"  # hermes, qwen3_coder, llama3_json, mistral, deepseek_v3
+    idle_timeout: float = 600.0  # seconds without a call before a session ends abandoned
+    fork_policy: Literal["fork", "refuse"] = "fork"  # a call that rewrites history
+    max_tokens: int = 512  # a call's limit when it names none
+    model: str = "agentroll"  # the model name /v1/models lists
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        TOOL_PARSERS.check(self.tool_parser, field="gateway.tool_parser")
+
+
 class TrainerSection(_Section, frozen=True):
     name_in_toml = "trainer"
     bounds = {  # as GRPOConfig's, plus upper ends
@@ -380,6 +403,7 @@ class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     buffer: BufferSection = BufferSection()
     stream: StreamSection = StreamSection()
     trainer: TrainerSection = TrainerSection()
+    gateway: GatewaySection = GatewaySection()
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
