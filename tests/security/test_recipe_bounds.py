@@ -112,6 +112,10 @@ BAD: list[tuple[str, str, str]] = [
     ("[buffer]\nlease_ttl = nan", "buffer.lease_ttl", "nan"),
     ("[buffer]\nlease_ttl = 1e12", "buffer.lease_ttl", "1000000000000"),
     ("[stream]\nport = -1", "stream.port", "-1"),
+    ("[gateway]\nport = 65536", "gateway.port", "65536"),
+    ("[gateway]\nidle_timeout = 0", "gateway.idle_timeout", "0"),
+    ("[gateway]\nidle_timeout = nan", "gateway.idle_timeout", "nan"),
+    ("[gateway]\nmax_tokens = 0", "gateway.max_tokens", "0"),
     ("[stream]\ndropped_max_records = -1", "stream.dropped_max_records", "-1"),
     (
         "[stream]\ndropped_max_bytes = 1000000000000000",
@@ -177,6 +181,7 @@ def test_the_table_covers_every_number_of_a_recipe() -> None:
         "[sandbox]\ntimeout = 0.001\nmemory_mb = 16",
         DOCKER + "{ pool_size = 0, create_rate = 0.001, command_uid = 65534 }",
         "[model]\nhidden = 64\nlayers = 1",
+        "[gateway]\nport = 65535\nidle_timeout = 86400\nmax_tokens = 1",
     ],
 )
 def test_the_ends_of_each_range_are_accepted(text: str) -> None:
