@@ -1,4 +1,4 @@
-"""Chat rendering and tool-call parsing, token-in / token-out.
+"""Chat rendering, token-in / token-out (tool-call parsing: ``agentroll.parsers``).
 
 Invariants: the prompt is rendered once, then only each new environment message is
 (``continuation_ids``), so every request's prompt is a prefix of the final trajectory (a
@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -21,8 +21,15 @@ from tokenizers import Tokenizer
 
 from agentroll._fs import read_json_object
 from agentroll.errors import ChatTemplateError, ConfigError
-from agentroll.plugins import TOOL_PARSERS as _PARSER_GROUP
-from agentroll.types import Message, ToolCall, ToolSpec
+
+# the tool-call parsers live in agentroll.parsers; re-exported here for existing imports
+from agentroll.parsers import _PARSER_PLUGINS as _PARSER_PLUGINS
+from agentroll.parsers import TOOL_PARSERS as TOOL_PARSERS
+from agentroll.parsers import HermesToolParser as HermesToolParser
+from agentroll.parsers import ParsedOutput as ParsedOutput
+from agentroll.parsers import ToolParser as ToolParser
+from agentroll.parsers import get_tool_parser as get_tool_parser
+from agentroll.types import Message, ToolSpec
 
 
 def _raise_exception(message: str) -> None:
@@ -393,100 +400,3 @@ class ChatTokenizer:
             parts.append(head)
         parts.append(text)
         return parts
-
-
-# -- tool-call parsing ---------------------------------------------------------------------
-
-
-class ParsedOutput(msgspec.Struct, kw_only=True):
-    """An assistant turn split into visible content, tool calls and parse errors."""
-
-    content: str
-    tool_calls: list[ToolCall]
-    errors: list[str]
-
-
-@runtime_checkable
-class ToolParser(Protocol):
-    """Turns assistant text into calls.  Must never raise on any input."""
-
-    def parse(self, text: str, *, call_id_prefix: str = "call") -> ParsedOutput: ...
-
-
-class HermesToolParser:
-    """Hermes/Qwen format: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
-
-    start = "<tool_call>"
-    end = "</tool_call>"
-    _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-    def parse(self, text: str, *, call_id_prefix: str = "call") -> ParsedOutput:
-        if self.start not in text and self.end not in text:
-            return ParsedOutput(content=text.strip(), tool_calls=[], errors=[])
-        calls: list[ToolCall] = []
-        errors: list[str] = []
-        for body in self._block.findall(text):
-            call, err = self._parse_one(body, f"{call_id_prefix}_{len(calls) + len(errors)}")
-            if call is not None:
-                calls.append(call)
-            else:
-                errors.append(err)
-        rest = self._block.sub("", text)
-        if self.start in rest:
-            errors.append("a <tool_call> block is not closed with </tool_call>")
-            rest = rest[: rest.index(self.start)]
-        if self.end in rest:
-            errors.append("a </tool_call> appears without its opening <tool_call>")
-            rest = rest.replace(self.end, "")
-        return ParsedOutput(content=rest.strip(), tool_calls=calls, errors=errors)
-
-    @staticmethod
-    def _parse_one(body: str, call_id: str) -> tuple[ToolCall | None, str]:
-        try:
-            obj = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            return (
-                None,
-                f'tool call is not valid JSON ({exc}); write {{"name": ..., "arguments": {{...}}}}',
-            )
-        if not isinstance(obj, dict):
-            return None, "tool call must be a JSON object with keys name and arguments"
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            return None, "tool call has no string 'name'"
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models double-encode the arguments
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):
-                return None, f"arguments of tool call {name!r} are not a JSON object"
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            return None, f"arguments of tool call {name!r} must be a JSON object"
-        try:  # a "\ud800" escape decodes to a lone surrogate: no trajectory could hold it
-            msgspec.json.encode([name, args])
-        except UnicodeEncodeError:
-            return None, f"tool call {name!r} holds a lone surrogate escape (not valid Unicode)"
-        return ToolCall(id=call_id, name=name, arguments=args), ""
-
-
-TOOL_PARSERS: dict[str, ToolParser] = {"hermes": HermesToolParser()}
-# the built-in names are this dict's keys as they are at each lookup
-_PARSER_PLUGINS = _PARSER_GROUP.over(TOOL_PARSERS)
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    """The tool parser called ``name``: one of ``TOOL_PARSERS`` (code may add to it), else a
-    fresh one from the factory registered under that name in entry point group
-    ``agentroll.tool_parsers``.  Raises ``ConfigError`` naming the known parsers when there
-    is none, or when the plugin's object has no ``parse`` method."""
-    if name in TOOL_PARSERS:
-        return TOOL_PARSERS[name]
-    parser = _PARSER_PLUGINS.load(name)()
-    if not isinstance(parser, ToolParser):
-        raise ConfigError(
-            f"tool parser {name!r} made a {type(parser).__name__} without a parse() method; "
-            "its entry point must name a ToolParser class (or a factory returning one)"
-        )
-    return parser

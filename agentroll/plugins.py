@@ -125,7 +125,7 @@ SANDBOXES = PluginGroup(
 TOOL_PARSERS = PluginGroup(
     "agentroll.tool_parsers",
     "tool parser",
-    ("hermes",),
+    ("hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"),
     "a factory() -> ToolParser",
 )
 TRAINERS = PluginGroup(
