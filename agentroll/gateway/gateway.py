@@ -604,7 +604,11 @@ class Gateway:
                 if f is not None:
                     finish = f
                 if delta:
-                    lp = sample.builder.logprobs[len(sample.builder) - len(ids) :].tolist()
+                    # the ids since the last delta: text held back (a partial character, a
+                    # tool call being parsed) came from earlier chunks, their logprobs too
+                    shown = plan.gen_start + call.sent
+                    new_ids = sample.builder.token_ids[shown:].tolist()
+                    lp = sample.builder.logprobs[shown:].tolist()
                     yield sse(
                         {
                             **head,
@@ -613,8 +617,8 @@ class Gateway:
                                     "index": 0,
                                     "delta": delta,
                                     "finish_reason": None,
-                                    "token_ids": ids,
-                                    **self._stream_logprobs(s, ids, lp),
+                                    "token_ids": new_ids,
+                                    **self._stream_logprobs(s, new_ids, lp),
                                 }
                             ],
                         }
@@ -641,6 +645,14 @@ class Gateway:
             recorded = True
             last = {"index": 0, "delta": tail, "finish_reason": finish_name}
             last.update({k: v for k, v in fields.items() if k != "logprobs"})
+            unsent = plan.gen_start + call.sent  # logprobs of the ids no delta carried yet
+            last.update(
+                self._stream_logprobs(
+                    s,
+                    sample.builder.token_ids[unsent:].tolist(),
+                    sample.builder.logprobs[unsent:].tolist(),
+                )
+            )
             yield sse({**head, "choices": [last]})
             if include_usage:
                 n = len(fields["token_ids"])
@@ -679,7 +691,7 @@ class Gateway:
     async def completion(self, session: Session, req: CompletionRequest) -> dict[str, Any]:
         """Answer a (non-streamed) Completions call: prompt as text or token ids, matched
         against the session's samples token by token."""
-        prompt = req.prompt
+        prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise RequestError(
@@ -689,11 +701,13 @@ class Gateway:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
+            ids = list(prompt)
             vocab = self.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise RequestError(
-                    400, f"prompt holds token ids outside [0, {vocab})", param="prompt"
+                    400,
+                    f"prompt must be text or a list of token ids in [0, {vocab})",
+                    param="prompt",
                 )
         if not ids:
             raise RequestError(400, "the prompt is empty", param="prompt")

@@ -96,7 +96,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 class CompletionRequest(msgspec.Struct, kw_only=True):
     """A (legacy) Completions body: ``prompt`` is text or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # text, token ids, or a batch of one of either (msgspec takes one array type per union:
+    # the gateway checks the elements)
+    prompt: str | list[str | int | list[int]]
     model: str = ""
     temperature: float | None = None
     top_p: float | None = None
@@ -132,6 +134,7 @@ def decode(body: bytes, typ: type[Any], what: str) -> Any:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as exc:
         path = str(exc).rpartition("at `")[2].rstrip("`") if "at `" in str(exc) else None
+        path = path.removeprefix("$.") if path else None  # as the other params: tools[0].type
         raise RequestError(400, f"invalid {what} body: {exc}", param=path) from None
     except msgspec.DecodeError as exc:
         raise RequestError(400, f"the {what} body is not valid JSON: {exc}") from None
