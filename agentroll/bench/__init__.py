@@ -37,6 +37,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.sandbox",
         "sandbox acquire / cold start / exec latency vs `docker exec` (or sh)",
     ),
+    "gateway": (
+        "agentroll.bench.gateway",
+        "gateway calls/s and server CPU per call, load from a separate process",
+    ),
     "vllm": (
         "agentroll.bench.vllm",
         "vllm backend tokens/s vs AsyncLLM.generate directly",
