@@ -37,6 +37,7 @@ _MAX_HEADERS = 128
 _BODY_QUEUE = 4 << 20  # received body bytes waiting for the handler before reading pauses
 _PIPELINE = 16  # requests waiting behind the current one before reading pauses
 _LINGER = 5.0  # seconds a closing connection discards what the peer still sends
+_ONE_WRITE = 64 << 10  # bytes of a body sent in the same write as its head
 _STREAM_BUFFER = 1 << 20  # bytes of a streamed body buffered before waiting for the client
 
 
@@ -148,10 +149,15 @@ class Request:
     def __init__(self, conn: _Connection, method: str, target: bytes, headers: dict[str, str]):
         self._conn = conn
         self.method = method
-        url = httptools.parse_url(target)
-        self.path = urllib.parse.unquote(url.path.decode("latin-1"))
-        query = (url.query or b"").decode("latin-1")
-        self.query = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+        if target[:1] == b"/" and not any(c in target for c in b"%?#"):
+            # the common case (an origin-form path, nothing to unquote): no URL parsing
+            self.path = target.decode("latin-1")
+            self.query: dict[str, str] = {}
+        else:
+            url = httptools.parse_url(target)
+            self.path = urllib.parse.unquote(url.path.decode("latin-1"))
+            query = (url.query or b"").decode("latin-1")
+            self.query = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
         self.headers = headers
         self._chunks: collections.deque[bytes] = collections.deque()
         self._queued = 0
@@ -231,6 +237,20 @@ class Request:
     async def disconnected(self) -> None:
         """Return once the client has closed the connection."""
         await asyncio.shield(self._conn.lost)
+
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once the client has closed the connection (at once if it has);
+        returns a function that cancels this."""
+        lost = self._conn.lost
+
+        def fire(_: asyncio.Future[None]) -> None:
+            callback()
+
+        def cancel() -> None:
+            lost.remove_done_callback(fire)
+
+        lost.add_done_callback(fire)
+        return cancel
 
 
 @dataclass
@@ -331,6 +351,7 @@ class _Connection(asyncio.Protocol):
         self._closing = False
         self._discard = False  # after a half-close: what arrives is dropped
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._deadline: float | None = None  # when _idle_close closes the connection
         self._in_head = False  # a request head has begun and is not complete
         self.config = server.config
         self.client = ""  # the peer's address: what max_connections_per_client counts
@@ -419,9 +440,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._disarm_timer()
         method = self._parser.get_method().decode("latin-1")
         try:
             request = Request(self, method, self._url, self._head)
@@ -536,6 +555,10 @@ class _Connection(asyncio.Protocol):
 
     def _write_head(self, response: Response, *, close: bool) -> None:
         assert self.transport is not None
+        self.transport.write(self._head_of(response, close=close))
+
+    @staticmethod
+    def _head_of(response: Response, *, close: bool) -> bytes:
         try:
             reason = HTTPStatus(response.status).phrase
         except ValueError:
@@ -550,11 +573,21 @@ class _Connection(asyncio.Protocol):
         lines += [f"{k}: {v}" for k, v in response.headers]
         if close:
             lines.append("connection: close")
-        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     async def _send(self, response: Response, *, close: bool) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
+            return
+        parts = response.parts
+        if (
+            response.stream is None
+            and len(parts) == 1
+            and isinstance(parts[0], bytes)
+            and len(parts[0]) <= _ONE_WRITE
+            and response.status not in (204, 304)
+        ):  # a small reply: head and body in one write (one segment, one syscall)
+            transport.write(self._head_of(response, close=close) + parts[0])
             return
         self._write_head(response, close=close)
         sock_fd = -1
@@ -642,13 +675,27 @@ class _Connection(asyncio.Protocol):
 
     def _arm_timer(self, seconds: float) -> None:
         """Close the connection if no complete request head arrives within ``seconds``
-        (an idle keep-alive, a head sent a byte at a time, a connection that sends nothing)."""
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = self._loop.call_later(seconds, self._idle_close)
+        (an idle keep-alive, a head sent a byte at a time, a connection that sends nothing).
+        One timer handle per connection: a later deadline is checked when it fires, so a
+        request costs no new handle (cancelled ones would pile up in the loop's heap)."""
+        self._deadline = self._loop.time() + seconds
+        timer = self._idle_timer
+        if timer is None or timer.when() > self._deadline:
+            if timer is not None:
+                timer.cancel()
+            self._idle_timer = self._loop.call_at(self._deadline, self._idle_close)
+
+    def _disarm_timer(self) -> None:
+        self._deadline = None  # the handle stays; it finds no deadline when it fires
 
     def _idle_close(self) -> None:
         self._idle_timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        if self._loop.time() < deadline:
+            self._idle_timer = self._loop.call_at(deadline, self._idle_close)
+            return
         if self._task is None and self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
