@@ -113,6 +113,8 @@ class Capture:
         self.calls = 0
         self.num_forks = 0
         self.mismatched_tokens = 0
+        self._tools: Sequence[ToolSpec] | None = None
+        self._tools_key = b""
 
     def plan(
         self,
@@ -124,7 +126,9 @@ class Capture:
         """Place a call on the sample whose history ``messages`` extends (appending the new
         messages' tokens), or fork a new sample (``fresh`` forces one, with that reason).
         Raises ``ChatTemplateError`` only when even a fresh rendering fails."""
-        key = _tools_key(tools)
+        if tools is not self._tools or not self._tools_key:  # a session keeps its tools
+            self._tools, self._tools_key = tools, _tools_key(tools)
+        key = self._tools_key
         at_call = self.calls
         self.calls += 1
         best: Sample | None = None

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
@@ -33,9 +33,11 @@ from agentroll.gateway.wire import (
     CompletionRequest,
     RequestError,
     Sampling,
+    ToolDef,
     chat_reply,
     check_chat,
     check_sampling,
+    check_tools,
     completion_id,
     openai_tool_calls,
     sse,
@@ -50,6 +52,7 @@ from agentroll.types import (
     Strategy,
     SyncReport,
     Task,
+    ToolSpec,
     Trajectory,
 )
 
@@ -58,6 +61,7 @@ logger = logging.getLogger("agentroll.gateway")
 Publish = Callable[[list[Trajectory]], Awaitable[None]]
 _ENDED_MEMORY = 65_536  # ended session ids remembered (a late call gets 409, not 404)
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+_TOOLS_CACHE = 1024  # distinct tool lists whose checked form is kept
 
 
 class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,6 +142,7 @@ class Gateway:
         self._ended: OrderedDict[str, str] = OrderedDict()  # sid -> status
         self._groups: dict[str, Group] = {}
         self._calls: dict[str, _Call] = {}
+        self._tools_cache: dict[bytes, list[ToolSpec]] = {}
         self.pauses = PauseController(backend, self._views)
         self._tg: asyncio.TaskGroup | None = None
         self.stats = {"calls": 0, "failed_calls": 0, "sessions": 0, "abandoned": 0, "forks": 0}
@@ -365,9 +370,21 @@ class Gateway:
         )
 
     def _begin(self, session: Session) -> None:
-        if self.pauses.paused:
-            pass  # the backend holds new requests at its own gate; nothing to do here
         session.last_active = self._clock()
+
+    def _tools(self, tools: list[ToolDef] | None) -> list[ToolSpec] | None:
+        """The checked tools of a call, one object per distinct list: the chat template's
+        render cache is keyed by it, and a session sends the same tools every call."""
+        if not tools:
+            return None
+        key = msgspec.json.encode(tools)
+        checked = self._tools_cache.get(key)
+        if checked is None:
+            checked = check_tools(tools) or []
+            if len(self._tools_cache) >= _TOOLS_CACHE:
+                self._tools_cache.clear()
+            self._tools_cache[key] = checked
+        return checked
 
     async def _generate(
         self, session: Session, plan: Plan, sampling: SamplingParams, call: _Call
@@ -452,7 +469,6 @@ class Gateway:
 
     def _plans(self, session: Session, messages: list[Message], tools: Any, n: int) -> list[Plan]:
         cap = session.capture
-        forks = cap.num_forks
         plan = cap.plan(messages, tools)
         if plan.fork is not None and self.config.fork_policy == "refuse":
             cap.discard(plan)
@@ -463,12 +479,11 @@ class Gateway:
                 "as returned, or set the gateway's fork_policy to fork",
                 code="history_rewritten",
             )
-        del forks
         return [plan, *(cap.branch(plan) for _ in range(n - 1))]
 
     async def chat(self, session: Session, req: ChatRequest) -> dict[str, Any]:
         """Answer a non-streamed Chat Completions call (OpenAI reply dict)."""
-        messages, tools, s = check_chat(req)
+        messages, tools, s = check_chat(req, self._tools)
         self._begin(session)
         call_index = session.capture.calls
         plans = self._plans(session, messages, tools, s.n)
@@ -479,12 +494,12 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             sps = [self._sampling(session, s, call_index, k) for k in range(len(plans))]
-            finishes = await asyncio.gather(
-                *(
-                    self._run_to_end(session, p, sp, c)
-                    for p, sp, c in zip(plans, sps, calls, strict=True)
-                )
-            )
+            runs = [
+                self._run_to_end(session, p, sp, c)
+                for p, sp, c in zip(plans, sps, calls, strict=True)
+            ]
+            # one choice (the usual call) runs here: no task, no extra loop iteration
+            finishes = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
             choices = []
             for k, (plan, finish) in enumerate(zip(plans, finishes, strict=True)):
                 sample = session.capture.samples[plan.sample]
@@ -561,7 +576,7 @@ class Gateway:
     async def chat_stream(self, session: Session, req: ChatRequest) -> AsyncIterator[bytes]:
         """Answer a streamed Chat Completions call: an iterator of server-sent events.
         Checks run before the first event (``RequestError`` is raised here, not streamed)."""
-        messages, tools, s = check_chat(req)
+        messages, tools, s = check_chat(req, self._tools)
         if s.n > 1:
             raise RequestError(400, "n > 1 with stream is not supported; make n calls", param="n")
         self._begin(session)
@@ -784,10 +799,6 @@ class Gateway:
             "paused": self.pauses.paused,
             **self.stats,
         }
-
-
-def policies_of(policies: Mapping[str, ResumePolicy] | None) -> dict[str, ResumePolicy]:
-    return dict(policies or {})
 
 
 __all__ = ["Gateway", "GatewayConfig", "Publish", "TextStream"]

@@ -180,20 +180,28 @@ class GatewayApp:
         """Run a call while its client is there (it is cancelled when the client leaves or
         the session ends)."""
         task = asyncio.ensure_future(coro)
-        self.gateway.track(session, id(task).__str__(), task)
-        gone = asyncio.ensure_future(request.disconnected())
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not task.done():
+        self.gateway.track(session, str(id(task)), task)
+        left = False
+
+        def gone() -> None:
+            nonlocal left
+            left = True
             task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise ConnectionError("the client left during the call")
-        if task.cancelled():
-            raise RequestError(409, "the session ended during the call", code="session_ended")
-        return task.result()
+
+        forget = request.on_disconnect(gone)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the server is shutting down
+            if left:
+                raise ConnectionError("the client left during the call") from None
+            raise RequestError(
+                409, "the session ended during the call", code="session_ended"
+            ) from None
+        finally:
+            forget()
 
     async def _tracked(
         self, session: Session, events: AsyncIterator[bytes]

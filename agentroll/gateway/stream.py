@@ -8,9 +8,11 @@ the client's next call matches it.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from agentroll.chat import ChatTokenizer, ToolParser
+from agentroll.chat import ChatTokenizer
+from agentroll.parsers import StreamingToolParser, ToolParser
 from agentroll.types import Message, ToolCall
 
 
@@ -74,9 +76,12 @@ class ChoiceStream:
         self._text = TextStream(tokenizer)
         self._parser = parser
         self._prefix = call_prefix
-        make = getattr(parser, "stream", None)
         # a plugin parser without a streaming side: text is held and parsed at the end
-        self._inc = make(call_id_prefix=call_prefix) if callable(make) else None
+        self._inc = (
+            parser.stream(call_id_prefix=call_prefix)
+            if isinstance(parser, StreamingToolParser)
+            else None
+        )
         self._held: list[str] = []
         self._content: list[str] = []
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
@@ -142,14 +147,10 @@ class _Delta:
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)
 
 
 def _loads(text: str) -> dict[str, Any]:
-    import json
-
     try:
         value = json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError):

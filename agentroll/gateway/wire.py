@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -196,9 +196,13 @@ def check_sampling(
     )
 
 
-def check_chat(req: ChatRequest) -> tuple[list[Message], list[ToolSpec] | None, Sampling]:
+def check_chat(
+    req: ChatRequest,
+    tools_of: Callable[[list[ToolDef] | None], list[ToolSpec] | None] | None = None,
+) -> tuple[list[Message], list[ToolSpec] | None, Sampling]:
     """The conversation, tools and sampling of a chat call; ``RequestError`` on anything the
-    gateway cannot do exactly."""
+    gateway cannot do exactly.  ``tools_of`` checks the tools (default ``check_tools``; a
+    gateway passes its cache, so a session's tools stay one object)."""
     for name, value in (
         ("frequency_penalty", req.frequency_penalty),
         ("presence_penalty", req.presence_penalty),
@@ -226,7 +230,7 @@ def check_chat(req: ChatRequest) -> tuple[list[Message], list[ToolSpec] | None, 
             "logprob only; set logprobs=true and top_logprobs=0",
             param="top_logprobs",
         )
-    tools = check_tools(req.tools)
+    tools = (tools_of or check_tools)(req.tools)
     choice = req.tool_choice
     if choice is not None and choice not in ("auto", "none"):
         raise RequestError(
