@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from agentroll._gc import settle_heap
 from agentroll.backends.base import GenerationRequest
 from agentroll.backends.mock import MockBackend
 from agentroll.bench.gateway_load import (
@@ -39,7 +40,13 @@ from agentroll.bench.gateway_load import (
     LoadResult,
     percentile,
 )
-from agentroll.bench.pairs import alternate_async
+from agentroll.bench.pairs import (
+    DEFAULT_PAIRS,
+    MIN_PAIRS,
+    alternate_async,
+    check_pairs,
+    paired_ratio,
+)
 from agentroll.errors import ConfigError
 from agentroll.gateway import Gateway, RequestError, serve_gateway
 from agentroll.gateway.wire import ChatRequest, ToolDef
@@ -47,8 +54,6 @@ from agentroll.model.tokenizer import tiny_chat_tokenizer
 from agentroll.progress import Progress, ProgressMode
 from agentroll.types import Trajectory
 
-MIN_PAIRS = 3  # figures are medians over the rounds: fewer than three has no middle
-DEFAULT_PAIRS = 3
 _LOAD_TIMEOUT = 600.0  # seconds a load run may take before the bench gives up on it
 _WARMUP_SESSIONS = 32  # untimed in-process episodes first (template and encode caches)
 
@@ -109,6 +114,11 @@ class GatewayBenchResult:
     client_cpu_ms_per_call: float
     inproc_calls_per_s: float
     inproc_cpu_ms_per_call: float
+    ratio_vs_inproc: float  # calls_per_s over the same pair's in-process rate: median
+    ratio_min: float
+    ratio_max: float
+    server_cpu_ms_min: float
+    server_cpu_ms_max: float
     failed: int
     forks: int
     calls: int
@@ -123,7 +133,10 @@ class GatewayBenchResult:
             f"p99_ms={self.p99_ms:.2f} server_cpu_ms_per_call={self.server_cpu_ms_per_call:.3f} "
             f"client_cpu_ms_per_call={self.client_cpu_ms_per_call:.3f} "
             f"inproc_calls_per_s={self.inproc_calls_per_s:.1f} "
-            f"inproc_cpu_ms_per_call={self.inproc_cpu_ms_per_call:.3f} failed={self.failed} "
+            f"inproc_cpu_ms_per_call={self.inproc_cpu_ms_per_call:.3f} "
+            f"ratio_vs_inproc={self.ratio_vs_inproc:.3f} ratio_min={self.ratio_min:.3f} "
+            f"ratio_max={self.ratio_max:.3f} server_cpu_ms_min={self.server_cpu_ms_min:.3f} "
+            f"server_cpu_ms_max={self.server_cpu_ms_max:.3f} failed={self.failed} "
             f"forks={self.forks} calls={self.calls} sessions={self.sessions} "
             f"turns={self.turns} pairs={self.pairs}"
         )
@@ -312,14 +325,21 @@ def summarize(
     http = [h for h, _ in rounds]
     inproc = [p for _, p in rounds]
     med = statistics.median
+    ratio = paired_ratio([(h.calls_per_s, p.calls_per_s) for h, p in rounds])
+    server_cpu = [r.per_call_ms(r.server_cpu_s) for r in http]
     return GatewayBenchResult(
         calls_per_s=med(r.calls_per_s for r in http),
         p50_ms=med(r.p50_ms for r in http),
         p99_ms=med(r.p99_ms for r in http),
-        server_cpu_ms_per_call=med(r.per_call_ms(r.server_cpu_s) for r in http),
+        server_cpu_ms_per_call=med(server_cpu),
         client_cpu_ms_per_call=med(r.per_call_ms(r.client_cpu_s) for r in http),
         inproc_calls_per_s=med(r.calls_per_s for r in inproc),
         inproc_cpu_ms_per_call=med(r.per_call_ms(r.server_cpu_s) for r in inproc),
+        ratio_vs_inproc=ratio.ratio,
+        ratio_min=ratio.ratio_min,
+        ratio_max=ratio.ratio_max,
+        server_cpu_ms_min=min(server_cpu),
+        server_cpu_ms_max=max(server_cpu),
         failed=sum(r.failed for pair in rounds for r in pair),
         forks=sum(r.forks for pair in rounds for r in pair),
         calls=min(r.calls for r in http),
@@ -348,8 +368,7 @@ class GatewayBenchConfig:
                 f"--sessions={self.sessions} is not a multiple of --group-size="
                 f"{self.group_size} (a partial group is never released); change either"
             )
-        if self.pairs < MIN_PAIRS:
-            raise ConfigError(f"--pairs must be >= {MIN_PAIRS} (got {self.pairs}): medians")
+        check_pairs(self.pairs)
 
 
 async def run_gateway_bench(
@@ -377,6 +396,7 @@ async def run_gateway_bench(
             gw, sink, sessions=warm, turns=turns, group_size=g, prefix="w", label="", mode="off"
         )
         errors += warm_errors
+        settle_heap()  # as `agentroll gateway` does before it serves
 
         def measure(
             fn: Callable[..., Awaitable[tuple[Round, list[str]]]], kind: str, **kw: Any

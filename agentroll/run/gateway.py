@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentroll._gc import settle_heap
 from agentroll._net import is_loopback
 from agentroll.errors import ConfigError
 from agentroll.gateway import Gateway, GatewayConfig, serve_gateway
@@ -125,6 +126,7 @@ def main_gateway(
         stop = asyncio.Event()
 
         def ready(url: str, stream_url: str) -> None:
+            settle_heap()  # everything is imported and loaded: the serving heap starts here
             logger.warning(
                 "gateway at %s (sessions: POST %s/sessions); trajectories at %s (token in %s)",
                 url,

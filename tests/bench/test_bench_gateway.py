@@ -40,6 +40,11 @@ KEYS = [
     "client_cpu_ms_per_call",
     "inproc_calls_per_s",
     "inproc_cpu_ms_per_call",
+    "ratio_vs_inproc",
+    "ratio_min",
+    "ratio_max",
+    "server_cpu_ms_min",
+    "server_cpu_ms_max",
     "failed",
     "forks",
     "calls",
@@ -64,7 +69,10 @@ def test_small_run_answers_every_call_without_forks(capsys: pytest.CaptureFixtur
     values = {k: float(v) for k, v in pairs}
     assert values["failed"] == 0 and values["forks"] == 0
     assert values["calls"] == 64 * 3 and values["sessions"] == 64 and values["turns"] == 3
-    assert values["pairs"] == 3
+    assert values["pairs"] == 5
+    assert 0 < values["ratio_min"] <= values["ratio_vs_inproc"] <= values["ratio_max"]
+    assert values["server_cpu_ms_min"] <= values["server_cpu_ms_per_call"]
+    assert values["server_cpu_ms_per_call"] <= values["server_cpu_ms_max"]
     for key in ("calls_per_s", "server_cpu_ms_per_call", "client_cpu_ms_per_call"):
         assert values[key] > 0, key
     assert values["inproc_calls_per_s"] > 0 and values["inproc_cpu_ms_per_call"] > 0
@@ -189,7 +197,7 @@ def test_percentile_is_nearest_rank() -> None:
     [
         ({"sessions": 0}, ">= 1"),
         ({"sessions": 12, "group_size": 8}, "multiple"),
-        ({"pairs": 2}, "pairs"),
+        ({"pairs": 4}, "pairs"),
     ],
 )
 def test_config_refuses_what_cannot_be_measured(kwargs: dict[str, int], match: str) -> None:
