@@ -42,6 +42,18 @@ def _error(exc: RequestError) -> Response:
     return Response(exc.status, [exc.body()], _JSON)
 
 
+def _refusal(status: int, message: str) -> Response:
+    """What the server refuses before or around the routes, as an OpenAI error body."""
+    kind = (
+        "authentication_error"
+        if status == 401
+        else "server_error"
+        if status >= 500
+        else "invalid_request_error"
+    )
+    return _error(RequestError(status, message, kind=kind))
+
+
 class GatewayApp:
     """Routes requests to a ``Gateway``."""
 
@@ -51,7 +63,7 @@ class GatewayApp:
         self._admin = f"Bearer {token}" if token else None
 
     def app(self) -> App:
-        return App(routes={}, fallback=self.handle, authorize=self._authorize)
+        return App(routes={}, fallback=self.handle, authorize=self._authorize, error=_refusal)
 
     def _bearer(self, request: Request) -> str:
         value = request.headers.get("authorization", "")

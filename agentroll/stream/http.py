@@ -259,13 +259,27 @@ class App:
 
     ``fallback`` answers the paths no route names (an app with path parameters routes them
     itself).  ``authorize``, when set, replaces the token check: it returns why a request is
-    refused (answered 401), or None."""
+    refused (answered 401), or None.  ``error`` renders every refusal the server or the app
+    makes (bad HTTP, limits, auth, no route, a failed handler) in the app's own format;
+    default: plain text."""
 
     routes: dict[str, dict[str, Handler]]
     token: str | None = None
     fallback: Handler | None = None
     authorize: Callable[[Request], str | None] | None = None
+    error: Callable[[int, str], Response] | None = None
     _expected: bytes | None = field(init=False, default=None)
+
+    def refusal(
+        self, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> Response:
+        """``status`` with ``message``, in the app's error format."""
+        if self.error is None:
+            return Response.text(status, message, headers)
+        response = self.error(status, message)
+        if headers:
+            response.headers = [*response.headers, *headers]
+        return response
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -277,12 +291,12 @@ class App:
         if self.authorize is not None:
             refused = self.authorize(request)
             if refused is not None:
-                return Response.text(401, refused, [("www-authenticate", "Bearer")])
+                return self.refusal(401, refused, [("www-authenticate", "Bearer")])
             request._conn.trusted = True
         elif self._expected is not None:
             given = request.headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(given, self._expected):
-                return Response.text(
+                return self.refusal(
                     401,
                     "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
                     "the token the worker was started with (its run directory's "
@@ -295,11 +309,11 @@ class App:
         if methods is None:
             if self.fallback is not None:
                 return await self.fallback(request)
-            return Response.text(404, f"no route {request.path!r}")
+            return self.refusal(404, f"no route {request.path!r}")
         handler = methods.get(request.method)
         if handler is None:
             allow = ", ".join(sorted(methods))
-            return Response.text(
+            return self.refusal(
                 405, f"{request.method} is not allowed here; use {allow}", [("allow", allow)]
             )
         return await handler(request)
@@ -371,8 +385,7 @@ class _Connection(asyncio.Protocol):
         refused = self._server.admit(self)
         if refused is not None:
             self._closing = self._discard = True
-            self._write_head(Response.text(503, refused), close=True)
-            transport.write(refused.encode())
+            self._write_response(self._server.app.refusal(503, refused))
             transport.close()
             return
         self._arm_timer(self.config.head_timeout)
@@ -428,12 +441,16 @@ class _Connection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > _MAX_URL:
-            raise _Reject(414, f"request target longer than {_MAX_URL} bytes")
+            raise _Reject(414, f"request target longer than {_MAX_URL} bytes; send a shorter URL")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > _MAX_HEAD or len(self._head) > _MAX_HEADERS:
-            raise _Reject(431, f"more than {_MAX_HEAD} bytes or {_MAX_HEADERS} header fields")
+            raise _Reject(
+                431,
+                f"more than {_MAX_HEAD} bytes or {_MAX_HEADERS} header fields; send fewer "
+                "or shorter headers",
+            )
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         self._head[key] = f"{self._head[key]}, {text}" if key in self._head else text
@@ -497,8 +514,7 @@ class _Connection(asyncio.Protocol):
             self._current._break()
             self._current = None
         if self._task is None and self.transport is not None and not self.transport.is_closing():
-            self._write_head(Response.text(status, message), close=True)
-            self.transport.write(message.encode())
+            self._write_response(self._server.app.refusal(status, message))
             self._half_close()
         # else: the request in progress is answered first, then the connection closes
 
@@ -544,14 +560,22 @@ class _Connection(asyncio.Protocol):
         try:
             return await self._server.app.handle(request)
         except HTTPError as exc:
-            return Response.text(exc.status, exc.message, exc.headers)
+            return self._server.app.refusal(exc.status, exc.message, exc.headers)
         except ConnectionError:
-            return Response.text(400, "the client closed the connection during the request")
+            return self._server.app.refusal(
+                400, "the client closed the connection during the request"
+            )
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("%s %s failed", request.method, request.path)
-            return Response.text(500, "internal error in the worker (see its log)")
+            return self._server.app.refusal(500, "internal error in the worker (see its log)")
+
+    def _write_response(self, response: Response) -> None:
+        """A refusal written at once (bytes parts only), the connection closing after it."""
+        assert self.transport is not None
+        body = b"".join(bytes(p) for p in response.parts if not isinstance(p, FileRange))
+        self.transport.write(self._head_of(response, close=True) + body)
 
     def _write_head(self, response: Response, *, close: bool) -> None:
         assert self.transport is not None
