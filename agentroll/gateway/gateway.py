@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from agentroll.backends.base import Backend, GenerationRequest, UpdatesInRotation
 from agentroll.chat import ChatTokenizer, get_tool_parser
@@ -289,10 +290,10 @@ class Gateway:
         views = []
         for call in self._calls.values():
             b = call.session.capture.samples[call.plan.sample].builder
-            mask = b.mask
-            sampled = [i for i in range(len(mask)) if mask[i]] if len(mask) < 4096 else []
-            min_pol = min((b.policy[i] for i in sampled), default=None)
-            min_kv = min((b.kv[i] for i in sampled), default=None)
+            sampled = np.frombuffer(b.mask, dtype=np.uint8).view(bool)
+            any_sampled = bool(sampled.any())
+            min_pol = int(np.frombuffer(b.policy, np.int32)[sampled].min()) if any_sampled else None
+            min_kv = int(np.frombuffer(b.kv, np.int32)[sampled].min()) if any_sampled else None
             views.append(
                 EpisodeView(
                     episode_id=call.session.id,
@@ -620,25 +621,10 @@ class Gateway:
                     finish = f
                 if delta:
                     # the ids since the last delta: text held back (a partial character, a
-                    # tool call being parsed) came from earlier chunks, their logprobs too
-                    shown = plan.gen_start + call.sent
-                    new_ids = sample.builder.token_ids[shown:].tolist()
-                    lp = sample.builder.logprobs[shown:].tolist()
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": delta,
-                                    "finish_reason": None,
-                                    "token_ids": new_ids,
-                                    **self._stream_logprobs(s, new_ids, lp),
-                                }
-                            ],
-                        }
-                    )
-                    call.sent = len(sample.builder) - plan.gen_start
+                    # tool call being parsed) came from earlier chunks
+                    choice = {"index": 0, "delta": delta, "finish_reason": None}
+                    choice.update(self._unsent(sample, plan, call, s))
+                    yield sse({**head, "choices": [choice]})
             if finish is None:
                 raise BackendError("the backend's stream ended without a finish_reason")
             if finish == "abort":
@@ -648,7 +634,6 @@ class Gateway:
             if errors:
                 session.unparsed_tool_calls += len(errors)
             text = self._text(sample.builder.token_ids, plan.gen_start)
-            fields = self._choice_fields(session, plan, False)
             session.capture.record(
                 plan,
                 reply,
@@ -659,18 +644,11 @@ class Gateway:
             )
             recorded = True
             last = {"index": 0, "delta": tail, "finish_reason": finish_name}
-            last.update({k: v for k, v in fields.items() if k != "logprobs"})
-            unsent = plan.gen_start + call.sent  # logprobs of the ids no delta carried yet
-            last.update(
-                self._stream_logprobs(
-                    s,
-                    sample.builder.token_ids[unsent:].tolist(),
-                    sample.builder.logprobs[unsent:].tolist(),
-                )
-            )
+            last.update(self._unsent(sample, plan, call, s))
+            last["sample_index"] = plan.sample
             yield sse({**head, "choices": [last]})
             if include_usage:
-                n = len(fields["token_ids"])
+                n = len(sample.builder) - plan.gen_start
                 usage = {
                     "prompt_tokens": plan.gen_start,
                     "completion_tokens": n,
@@ -698,10 +676,23 @@ class Gateway:
                 session.capture.discard(plan)
             session.last_active = self._clock()
 
-    def _stream_logprobs(self, s: Sampling, ids: list[int], lps: list[float]) -> dict[str, Any]:
-        if not s.logprobs:
-            return {}
-        return {"logprobs": {"content": self._logprob_entries(ids, lps)}}
+    def _unsent(self, sample: Any, plan: Plan, call: _Call, s: Sampling) -> dict[str, Any]:
+        """The extension fields of the tokens no event carried yet (joined over a call's
+        events they are the turn's), and their OpenAI logprobs when asked for; marks them
+        sent."""
+        b, start = sample.builder, plan.gen_start + call.sent
+        ids = b.token_ids[start:].tolist()
+        lps = b.logprobs[start:].tolist()
+        out: dict[str, Any] = {
+            "token_ids": ids,
+            "token_logprobs": lps,
+            "policy_version": b.policy[start:].tolist(),
+            "kv_version": b.kv[start:].tolist(),
+        }
+        if s.logprobs:
+            out["logprobs"] = {"content": self._logprob_entries(ids, lps)}
+        call.sent = len(b) - plan.gen_start
+        return out
 
     async def completion(self, session: Session, req: CompletionRequest) -> dict[str, Any]:
         """Answer a (non-streamed) Completions call: prompt as text or token ids, matched

@@ -433,7 +433,8 @@ async def test_engine_episode_keeps_the_sampled_tokens(tiny_model: Path) -> None
 
 
 async def test_streamed_text_arrives_while_it_is_sampled(tok: ChatTokenizer) -> None:
-    """Text goes out as it decodes, with the ids and logprobs of the tokens it came from."""
+    """Text goes out as it decodes, with the ids, versions and logprobs of the tokens it came
+    from; each token is carried by exactly one event."""
     text = " ".join(f"word{k}" for k in range(10))
     backend = PacedMock([text], tokenizer=tok, chunk_size=1, pace=0.01)
     async with gateway_on_loop(backend) as (gw, url):
@@ -445,6 +446,7 @@ async def test_streamed_text_arrives_while_it_is_sampled(tok: ChatTokenizer) -> 
         deltas: list[str] = []
         running: list[bool] = []
         ids: list[int] = []
+        versions: list[int] = []
         lps: list[float] = []
         async for chunk in events:
             if not chunk.choices:
@@ -453,8 +455,9 @@ async def test_streamed_text_arrives_while_it_is_sampled(tok: ChatTokenizer) -> 
             if choice.delta.content:
                 deltas.append(choice.delta.content)
                 running.append(set(backend.outcomes.values()) == {"running"})
-            if choice.finish_reason is None:
-                ids += (choice.model_extra or {}).get("token_ids") or []
+            extra = choice.model_extra or {}
+            ids += extra.get("token_ids") or []  # each event: the tokens it newly covers
+            versions += extra.get("policy_version") or []
             if choice.logprobs is not None and choice.logprobs.content:
                 lps += [e.logprob for e in choice.logprobs.content]
         await aend_session(url, sid)
@@ -463,7 +466,8 @@ async def test_streamed_text_arrives_while_it_is_sampled(tok: ChatTokenizer) -> 
     assert len(deltas) > 1 and running[0]  # text came while the backend still sampled
     turn = traj.turns[0]
     sampled = traj.token_ids[turn.gen_start : turn.gen_end].tolist()
-    assert ids == sampled[: len(ids)] and len(ids) >= len(sampled) - 1  # the eot: no text
+    assert ids == sampled  # joined over the events: the turn, the end-of-turn token too
+    assert versions == traj.policy_version[turn.gen_start : turn.gen_end].tolist()
     np.testing.assert_array_equal(
         np.array(lps, dtype=np.float32), traj.logprobs[turn.gen_start : turn.gen_end]
     )

@@ -24,6 +24,8 @@ from gateway_helpers import (
 )
 
 from agentroll.chat import ChatTokenizer
+from agentroll.rollout.pause import EpisodeView
+from agentroll.types import ResumePolicy
 
 LONG = " ".join(f"word{k}" for k in range(30))  # ~60 tokens: the sync lands mid-stream
 
@@ -93,3 +95,41 @@ async def test_sync_under_keep_mid_stream(tok: ChatTokenizer, chunk_size: int) -
         assert switch >= at_sync[recorder.of(sid)[0].request.request_id] * chunk_size
         # the mock reports its weights' version as the KV's too (no KV kept across)
         np.testing.assert_array_equal(traj.kv_version[turn.gen_start : turn.gen_end], versions)
+
+
+async def test_the_policy_sees_each_call_and_its_versions(tok: ChatTokenizer) -> None:
+    """A resume policy is asked once per call in flight, with what it generated and the
+    versions of the session's sampled tokens (a second sync sees the first one's tokens)."""
+    backend = PacedMock([LONG], tokenizer=tok, chunk_size=1, pace=0.005)
+    seen: list[EpisodeView] = []
+
+    def policy(view: EpisodeView) -> ResumePolicy:
+        seen.append(view)
+        return "keep"
+
+    async with gateway_on_loop(backend) as (gw, url):
+        sid = await aopen_session(url, task_id="views")
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=sid, max_retries=0)
+
+        async def streamed() -> None:
+            events = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "talk"}], stream=True
+            )
+            async for _ in events:
+                pass
+
+        call = asyncio.create_task(streamed())
+        await backend.wait_for(lambda: min(backend.chunks.values(), default=0) >= 3)
+        await gw.sync(Update(1), policy=policy)
+        await backend.wait_for(lambda: min(backend.chunks.values(), default=0) >= 10)
+        await gw.sync(Update(2), policy=policy)
+        await call
+        await aend_session(url, sid)
+    first, second = seen
+    assert first.episode_id == second.episode_id == sid
+    assert first.request_id == second.request_id
+    assert 3 <= first.tokens_generated < second.tokens_generated
+    assert (first.min_policy_version, first.min_kv_version) == (0, 0)
+    assert (second.min_policy_version, second.min_kv_version) == (0, 0)
+    # asked at resume, after the apply: the version it resumes under
+    assert (first.policy_version, second.policy_version) == (1, 2)
