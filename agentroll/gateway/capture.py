@@ -16,7 +16,7 @@ import msgspec
 
 from agentroll.chat import ChatTokenizer
 from agentroll.errors import ChatTemplateError
-from agentroll.rollout.builder import TrajectoryBuilder
+from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.types import FinishReason, Fork, Message, ToolSpec, Turn
 
 
@@ -53,14 +53,6 @@ def _shared_prefix(history: Sequence[Message], messages: Sequence[Message]) -> i
             break
         n += 1
     return n
-
-
-def _common_tokens(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Sample:
@@ -165,7 +157,7 @@ class Capture:
         fork = None
         if best is not None:
             best_ids = best.builder.token_ids
-            common = _common_tokens(best_ids, prompt)
+            common = common_prefix(best_ids, prompt)
             fork = Fork(
                 from_sample=best.index,
                 at_call=at_call,
@@ -193,7 +185,7 @@ class Capture:
         best_common = -1
         for sample in reversed(self.samples):
             ids = sample.builder.token_ids
-            common = _common_tokens(ids, prompt)
+            common = common_prefix(ids, prompt)
             if common == len(ids) and not sample.busy and sample.turns:
                 rest = list(prompt[common:])
                 sample.builder.add_context(rest)

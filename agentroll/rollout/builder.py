@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,6 +19,16 @@ _NAN = array("f", [math.nan])
 _MINUS1 = array("i", [-1])
 _ZERO = array("B", [0])
 _ONE = array("B", [1])
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """How many leading token ids ``a`` and ``b`` share (vectorised: forks compare whole
+    trajectories)."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
 
 
 class TrajectoryBuilder:

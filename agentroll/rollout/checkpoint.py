@@ -23,7 +23,16 @@ from agentroll._fs import atomic_dir, atomic_file
 from agentroll.backends.base import SamplingParams
 from agentroll.errors import CheckpointError
 from agentroll.rollout.builder import TrajectoryBuilder
-from agentroll.types import Message, Status, Task, Trajectory, Turn, decode_msgpack, encode_msgpack
+from agentroll.types import (
+    Fork,
+    Message,
+    Status,
+    Task,
+    Trajectory,
+    Turn,
+    decode_msgpack,
+    encode_msgpack,
+)
 
 if TYPE_CHECKING:
     from agentroll.env import Environment, EpisodeState
@@ -113,7 +122,9 @@ class EpisodeRun:
 
     __slots__ = (
         "builder",
+        "earlier",
         "env",
+        "forks",
         "format_errors",
         "gen_start",
         "group_id",
@@ -153,6 +164,9 @@ class EpisodeRun:
         self.sampling: SamplingParams | None = None
         self.pending: Any = None  # a RequestSnapshot to continue from (restored episodes)
         self.restarted_turns = 0  # generations regenerated because no snapshot was usable
+        # samples before the current one (a template rewrote history: the episode forked)
+        self.earlier: list[Trajectory] = []
+        self.forks: list[Fork] = []  # how the current sample began, when it is not the first
 
     @property
     def episode_id(self) -> str:
@@ -212,6 +226,8 @@ class EpisodeCheckpoint(msgspec.Struct, kw_only=True):
     dropped_generation: bool = False
     sandbox: bytes | None = None  # stored as sandbox.tar next to episode.msgpack
     pending: Any = None  # RequestSnapshot, stored under request/
+    earlier: list[Trajectory] = []  # samples the episode forked away from, finished
+    forks: list[Fork] = []  # how the current sample began
 
     def builder(self) -> TrajectoryBuilder:
         b = TrajectoryBuilder()
@@ -460,6 +476,8 @@ def make_checkpoint(
         dropped_generation=dropped,
         sandbox=sandbox_blob,
         pending=pending if generating else None,
+        earlier=list(run.earlier),
+        forks=list(run.forks),
     )
 
 

@@ -146,7 +146,7 @@ class RolloutEngine(EpisodeLoop):
         self._ramp = asyncio.Event()
         self._ramp.set()
         self.pauses = PauseController(backend, self._views)
-        self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0}
+        self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0, "forks": 0}
 
     async def __aenter__(self) -> RolloutEngine:
         self._executor = ThreadPoolExecutor(

@@ -26,7 +26,8 @@ from agentroll.backends.base import (
 )
 from agentroll.chat import ChatTokenizer, ParsedOutput
 from agentroll.env import DrivesEpisodes, Environment, EpisodeState, call_hook
-from agentroll.errors import BackendError, ConfigError, GenerationTimeout
+from agentroll.errors import BackendError, ChatTemplateError, ConfigError, GenerationTimeout
+from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
 from agentroll.sandbox import open_sandbox
@@ -34,6 +35,7 @@ from agentroll.sandbox.base import Sandbox
 from agentroll.tool import call_tool
 from agentroll.types import (
     FinishReason,
+    Fork,
     Message,
     Status,
     Task,
@@ -170,6 +172,8 @@ class EpisodeLoop:
                     run.phase = "scoring"
                     traj = self._build(run)
                     await self._score(env, state, traj)
+                    for t in run.earlier:  # one episode, one reward: every sample has it
+                        t.reward, t.rewards = traj.reward, dict(traj.rewards)
         except TimeoutError as exc:
             run.stop_reason = "timeout"
             error = (
@@ -196,9 +200,13 @@ class EpisodeLoop:
                 self._live.pop(state.episode_id, None)
         if traj is None:
             traj = self._build(run)
+        if not earlier:
+            earlier = run.earlier
         if error is not None:  # an exception's text may quote a file name with lone surrogates
             traj.status, traj.error = "failed", unicode_safe(error)
             traj.stop_reason = run.stop_reason
+            for t in earlier:
+                t.status, t.error = "failed", traj.error
         traj.finished_at = now()
         if not cfg.keep_messages:
             traj.messages = []
@@ -240,12 +248,14 @@ class EpisodeLoop:
                 prompt_len=run.prompt_len,
                 turns=turns,
                 messages=run.messages,
+                forks=list(run.forks),
                 started_at=run.started,
                 metrics={
                     "gen_seconds": sum(t.gen_seconds for t in turns),
                     "tool_seconds": sum(t.tool_seconds for t in turns),
                     "env_seconds": sum(t.env_seconds for t in turns),
                     "restarted_turns": float(run.restarted_turns),
+                    "forks": float(len(run.earlier)),
                 },
             )
         )
@@ -272,6 +282,7 @@ class EpisodeLoop:
         run.format_errors = cp.format_errors
         run.next_turn = cp.next_turn
         run.restarted_turns = cp.restarted_turns
+        run.earlier, run.forks = list(cp.earlier), list(cp.forks)
         if cp.dropped_generation:  # the turn in flight was dropped at the checkpoint: redo it
             run.restarted_turns += 1
             self.stats["restarted_turns"] += 1
@@ -293,9 +304,10 @@ class EpisodeLoop:
     async def _turns(self, run: EpisodeRun) -> tuple[Status, str]:
         """The turn loop, from ``run.next_turn``; returns (status, stop_reason)."""
         cfg = self.config
-        env, state, builder = run.env, run.state, run.builder
+        env, state = run.env, run.state
         gate = self.pauses.gate
         for index in range(run.next_turn, env.max_turns):
+            builder = run.builder  # a new one after a fork
             state.turn = run.next_turn = index
             run.phase = "turn"
             if not gate.is_open:
@@ -410,13 +422,52 @@ class EpisodeLoop:
             return "ok", "env_done"
         if index == env.max_turns - 1:
             return "truncated", "max_turns"
-        cont = tok.continuation_ids(new, ended_with_eot=ended_eot)
-        if env.max_total_tokens is not None and len(builder) + len(cont) >= env.max_total_tokens:
-            return "truncated", "token_budget"  # no room left to generate after the reply
-        builder.add_context(cont)
-        turn.env_end = len(builder)
+        try:
+            cont = tok.continuation_ids(new, ended_with_eot=ended_eot)
+        except ChatTemplateError:
+            # the template renders the history differently once more is added: the episode
+            # goes on in a new sample rendered whole, never in re-tokenised drift
+            cont = None
+        if cont is None:
+            prompt = await self._fork(run, index)
+            if env.max_total_tokens is not None and len(prompt) >= env.max_total_tokens:
+                return "truncated", "token_budget"
+        else:
+            if env.max_total_tokens is not None and (
+                len(builder) + len(cont) >= env.max_total_tokens
+            ):
+                return "truncated", "token_budget"  # no room left to generate after the reply
+            builder.add_context(cont)
+            turn.env_end = len(builder)
         run.next_turn = index + 1
         return None
+
+    async def _fork(self, run: EpisodeRun, index: int) -> list[int]:
+        """End the current sample (``stop_reason="forked"``) and start the next one from the
+        whole conversation rendered afresh; returns its prompt."""
+        done = self._build(run)
+        done.id = f"{run.episode_id}-s{len(run.earlier)}"
+        done.stop_reason = "forked"
+        done.messages = list(run.messages)
+        prompt = await self._prompt_ids(run.messages)
+        old = done.token_ids
+        common = common_prefix(old, prompt)
+        run.forks = [
+            Fork(
+                from_sample=len(run.earlier),
+                at_call=index + 1,
+                reason="template_rewrites",
+                common_tokens=common,
+                mismatched_tokens=len(old) - common,
+            )
+        ]
+        run.earlier.append(done)
+        run.builder = TrajectoryBuilder()
+        run.builder.add_context(prompt)
+        run.prompt_len = len(prompt)
+        run.turns = []
+        self.stats["forks"] += 1
+        return prompt
 
     def _stream(self, request: GenerationRequest, run: EpisodeRun) -> AsyncIterator[Any]:
         """The backend stream of ``request``: continued from ``run.pending`` when the episode
