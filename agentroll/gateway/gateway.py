@@ -783,7 +783,7 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         return {
-            "sessions": len(self.sessions),
+            "sessions_live": len(self.sessions),
             "groups_waiting": len(self._groups),
             "calls_in_flight": len(self._calls),
             "policy_version": self.backend.policy_version,

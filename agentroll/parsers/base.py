@@ -149,6 +149,13 @@ class StreamingParser(ABC):
             )
         self._calls.append(call)
 
+    def _settle(self, call: ToolCall | None, error: str) -> None:
+        """The open call closed: ``_complete`` it, or ``_reject`` it with ``error``."""
+        if call is not None:
+            self._complete(call)
+        else:
+            self._reject(error)
+
     def _reject(self, error: str) -> None:
         """The open call (if any) is malformed: record ``error``; its announcement stays
         without arguments."""

@@ -143,7 +143,4 @@ class _DeepSeekStream(BufferedStream):
             self._reject(f"arguments of tool call {name!r} are not valid JSON ({why})" + HINT)
             return
         call, err = check_call(name, args, self._call_id(), hint=HINT)
-        if call is not None:
-            self._complete(call)
-        else:
-            self._reject(err)
+        self._settle(call, err)

@@ -108,10 +108,7 @@ class _HermesStream(BufferedStream):
             self._scanned = max(0, len(buf) - pos - len(END) + 1)
             return False
         call, err = HermesToolParser._parse_one(buf[pos:end], self._call_id())
-        if call is not None:
-            self._complete(call)
-        else:
-            self._reject(err)
+        self._settle(call, err)
         self._pos, self._open = end + len(END), False
         return True
 

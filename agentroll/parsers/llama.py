@@ -138,10 +138,7 @@ class _LlamaStream(BufferedStream):
         if has_args and "name" in value:
             args = value["parameters"] if "parameters" in value else value["arguments"]
             call, err = check_call(value["name"], args, self._call_id(), hint=HINT)
-            if call is not None:
-                self._complete(call)
-            else:
-                self._reject(err)
+            self._settle(call, err)
         elif has_args:
             self._reject("tool call has no string 'name'" + HINT)
         elif self._forced:

@@ -122,7 +122,7 @@ class _MistralStream(BufferedStream):
             if self._json.depth == 0:
                 end = base + found[0] + 1
                 self._state, self._pos = "out", end
-                self._settle(self._name, buf[base:end], self._carried_id())
+                self._settle_text(self._name, buf[base:end], self._carried_id())
                 return True
         if self._final:
             self._reject(f"the arguments of call {self._name!r} are not closed" + HINT)
@@ -144,7 +144,7 @@ class _MistralStream(BufferedStream):
                 if self._element >= 0:
                     element = buf[base + self._element : base + at + 1]
                     self._element = -1
-                    self._settle(None, element, self._call_id())
+                    self._settle_text(None, element, self._call_id())
                 self._gap = at + 1
             elif scan.depth == 0:
                 self._between(buf, base, at)
@@ -170,7 +170,7 @@ class _MistralStream(BufferedStream):
             self._junk = True
             self._reject(f"the {TOOL_CALLS} list holds something other than call objects" + HINT)
 
-    def _settle(self, name: str | None, text: str, call_id: str) -> None:
+    def _settle_text(self, name: str | None, text: str, call_id: str) -> None:
         """Check one call: ``text`` is its arguments (``name`` given) or its whole object."""
         value, why = loads_object(text)
         if why:

@@ -185,9 +185,6 @@ class _QwenXMLStream(BufferedStream):
             self._reject(parsed)
         else:
             call, err = check_call(parsed[0], parsed[1], call_id, hint=HINT)
-            if call is not None:
-                self._complete(call)
-            else:
-                self._reject(err)
+            self._settle(call, err)
         self._pos, self._open = end + len(END), False
         return True

@@ -18,11 +18,10 @@ from typing import Any
 
 from agentroll._gc import settle_heap
 from agentroll._net import is_loopback
-from agentroll.errors import ConfigError
 from agentroll.gateway import Gateway, GatewayConfig, serve_gateway
 from agentroll.rollout.buffer import BufferConfig
 from agentroll.run.build import build_backend, resume_policy
-from agentroll.run.recipe import Recipe, load_recipe
+from agentroll.run.recipe import Recipe
 from agentroll.stream.api import serve_stream
 from agentroll.stream.auth import TOKEN_FILE, ensure_token
 from agentroll.stream.server import StreamConfig, TrajectoryStream
@@ -111,16 +110,17 @@ def main_gateway(
     """Serve a recipe's gateway until SIGTERM / SIGINT; live sessions end as abandoned."""
     import signal
 
+    from agentroll.run.recipe import GatewaySection
+    from agentroll.run.service import load_served_recipe
     from agentroll.run.worker import stop_on_signals
 
-    if port is not None and not 0 <= port <= 65535:
-        raise ConfigError(f"--port {port}; use 0 (any free port) to 65535")
-    recipe = load_recipe(recipe_path)
-    out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
-    if model is None:
-        from agentroll.model.tiny import ensure_tiny_model
-
-        model = recipe.model.path or str(ensure_tiny_model(None))
+    recipe, out, model = load_served_recipe(
+        recipe_path,
+        run_dir=run_dir,
+        model=model,
+        port=port,
+        port_bound=GatewaySection.bounds["port"],
+    )
 
     async def main() -> dict[str, Any]:
         stop = asyncio.Event()

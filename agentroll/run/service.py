@@ -43,7 +43,7 @@ from agentroll.run.build import (
     rollout_config,
 )
 from agentroll.run.metrics import MetricsWriter
-from agentroll.run.recipe import Recipe
+from agentroll.run.recipe import Bound, Recipe
 from agentroll.run.worker import drive
 from agentroll.stream.api import serve_stream
 from agentroll.stream.auth import TOKEN_FILE, check_token, ensure_token
@@ -524,6 +524,33 @@ def write_ready_file(path: Path, url: str, token_file: Path | None = None) -> No
     tmp.replace(path)
 
 
+def load_served_recipe(
+    recipe_path: str | Path,
+    *,
+    run_dir: str | Path | None,
+    model: str | None,
+    port: int | None,
+    port_bound: Bound,
+) -> tuple[Recipe, Path, str]:
+    """What a served recipe needs first: the recipe, its run directory (default: the
+    recipe's folder) and its model (default: the recipe's, else the tiny one, made if
+    missing); ``port`` is checked against ``port_bound`` (the port bound of its section).
+    Raises ``ConfigError``."""
+    from agentroll.run.recipe import load_recipe
+
+    try:
+        port_bound.check("--port", port if port is not None else 0)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    recipe = load_recipe(recipe_path)
+    out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
+    if model is None:
+        from agentroll.model.tiny import ensure_tiny_model
+
+        model = recipe.model.path or str(ensure_tiny_model(None))
+    return recipe, out, model
+
+
 def main_service(
     recipe_path: str | Path,
     *,
@@ -537,19 +564,16 @@ def main_service(
     the episodes in flight and exit.  ``model`` defaults to the recipe's (or the tiny one)."""
     import signal
 
-    from agentroll.run.recipe import StreamSection, load_recipe
+    from agentroll.run.recipe import StreamSection
     from agentroll.run.worker import stop_on_signals
 
-    try:
-        StreamSection.bounds["port"].check("--port", port if port is not None else 0)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    recipe = load_recipe(recipe_path)
-    out = Path(run_dir) if run_dir else Path(recipe_path).resolve().parent
-    if model is None:
-        from agentroll.model.tiny import ensure_tiny_model
-
-        model = recipe.model.path or str(ensure_tiny_model(None))
+    recipe, out, model = load_served_recipe(
+        recipe_path,
+        run_dir=run_dir,
+        model=model,
+        port=port,
+        port_bound=StreamSection.bounds["port"],
+    )
 
     async def main() -> dict[str, Any]:
         stop = asyncio.Event()

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import numpy as np
 
 from agentroll.backends.base import Backend, GenerationChunk, GenerationRequest
 from agentroll.backends.mock import MockBackend
+from agentroll.bench.gateway_load import TOOLS_JSON
 from agentroll.chat import ChatTokenizer
 from agentroll.gateway import Gateway, GatewayConfig, serve_gateway
 from agentroll.types import Trajectory
@@ -123,20 +125,8 @@ async def aend_session(url: str, sid: str, reward: float | None = None) -> None:
 
 # -- scripted episodes -----------------------------------------------------------------------
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
+# the benchmark's tool: one definition of the `add` function for the load and the tests
+TOOLS: list[dict[str, Any]] = msgspec.json.decode(TOOLS_JSON)
 CALL_ADD = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ANSWER = "The answer is 5."
 TOOL_OUTPUT = "sum=5"

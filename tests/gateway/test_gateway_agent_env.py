@@ -6,27 +6,13 @@ import json
 
 import numpy as np
 import openai
+from gateway_helpers import TOOLS
 
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
 from agentroll.gateway import AgentEnvironment
 from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.types import Task
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
 
 
 def script(request):  # type: ignore[no-untyped-def]

@@ -4,10 +4,16 @@ through the durable stream, exactly as the gateway captured them."""
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from agentroll.run.gateway import serve_recipe_gateway
 from agentroll.run.recipe import parse_recipe
@@ -71,3 +77,40 @@ async def test_gateway_sessions_reach_the_stream(tiny_model: Path, tmp_path: Pat
             traj.logprobs[turn.gen_start : turn.gen_end], choice["token_logprobs"], rtol=1e-6
         )
     assert int(traj.loss_mask.sum()) == sum(t.gen_end - t.gen_start for t in traj.turns)
+
+
+@pytest.mark.slow
+def test_agentroll_gateway_serves_until_sigterm(tiny_model: Path, tmp_path: Path) -> None:
+    """The CLI: serves, says where (ready file), answers a call, stops on SIGTERM with a
+    summary line, the session it left open published as abandoned."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE)
+    ready = tmp_path / "ready.json"
+    cmd = [sys.executable, "-m", "agentroll.cli", "gateway", "--recipe", str(recipe)]
+    cmd += ["--model", str(tiny_model), "--run-dir", str(tmp_path), "--ready-file", str(ready)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():  # the process writes it once both servers listen
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "agentroll gateway did not get ready"
+            time.sleep(0.05)
+        url = json.loads(ready.read_text())["url"]
+        sid = httpx.post(f"{url}/sessions", json={"task_id": "cli"}).json()["id"]
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {sid}"},
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
+        assert reply.status_code == 200 and reply.json()["choices"][0]["token_ids"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["calls"] == 1 and summary["abandoned"] == 1
+    assert summary["sessions"] == 1 and summary["sessions_live"] == 0
