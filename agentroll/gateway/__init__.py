@@ -6,7 +6,8 @@ HTTP (``routes``), ``AgentEnvironment`` runs an existing agent function as an en
 
 from agentroll.gateway.agent import AgentEnvironment, AgentFn
 from agentroll.gateway.capture import Capture, Plan, Sample
-from agentroll.gateway.gateway import Gateway, GatewayConfig
+from agentroll.gateway.config import GatewayConfig
+from agentroll.gateway.gateway import Gateway
 from agentroll.gateway.routes import GatewayApp, serve_gateway
 from agentroll.gateway.session import Session
 from agentroll.gateway.wire import RequestError

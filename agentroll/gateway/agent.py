@@ -15,7 +15,8 @@ from typing import Any
 
 from agentroll.env import Environment, EpisodeState, call_hook
 from agentroll.errors import ConfigError
-from agentroll.gateway.gateway import Gateway, GatewayConfig
+from agentroll.gateway.config import GatewayConfig
+from agentroll.gateway.gateway import Gateway
 from agentroll.gateway.routes import serve_gateway
 from agentroll.types import Status, Task, Trajectory, unicode_safe
 
