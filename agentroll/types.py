@@ -222,7 +222,7 @@ class Fork(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     to continue is not the one that sample's tokens hold (``reason``: ``history_edited``
     the client changed or dropped earlier messages, ``tools_changed``, ``template_rewrites``
     the chat template renders the history differently once more is added, ``n`` one of
-    several choices of a call).  ``common_tokens``: tokens the new sample shares with
+    several choices of a call, ``concurrent_call`` the sample it extends was generating).  ``common_tokens``: tokens the new sample shares with
     ``from_sample``'s; ``mismatched_tokens``: ``from_sample``'s tokens after them, which a
     re-tokenising proxy would have replaced silently."""
 

@@ -20,7 +20,7 @@ import msgspec
 from agentroll.backends.base import Backend, GenerationRequest
 from agentroll.chat import ChatTokenizer, ToolParser
 from agentroll.errors import BackendError
-from agentroll.gateway.capture import Plan
+from agentroll.gateway.capture import Plan, Sample
 from agentroll.gateway.config import GatewayConfig
 from agentroll.gateway.session import Session
 from agentroll.gateway.stream import ChoiceStream
@@ -125,7 +125,8 @@ class CallHandler:
                 async for chunk in stream:
                     if chunk.rollback:
                         keep = len(builder) - chunk.rollback
-                        if keep < plan.gen_start or (call.streamed and call.sent > keep):
+                        sent = plan.gen_start + call.sent  # streamed calls: what the client has
+                        if keep < plan.gen_start or (call.streamed and sent > keep):
                             raise BackendError(
                                 f"backend rolled back {chunk.rollback} tokens already sent"
                             )
@@ -394,7 +395,7 @@ class CallHandler:
                 session.capture.discard(plan)
             session.last_active = self._clock()
 
-    def _unsent(self, sample: Any, plan: Plan, call: _Call, s: Sampling) -> dict[str, Any]:
+    def _unsent(self, sample: Sample, plan: Plan, call: _Call, s: Sampling) -> dict[str, Any]:
         """The extension fields of the tokens no event carried yet (joined over a call's
         events they are the turn's), and their OpenAI logprobs when asked for; marks them
         sent."""

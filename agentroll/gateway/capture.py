@@ -151,6 +151,8 @@ class Capture:
                     )
                 if extends and sample.tools_key != key:
                     reason = "tools_changed"
+                elif extends and sample.busy and reason == "history_edited":
+                    reason = "concurrent_call"  # the sample it extends is generating
                 if shared > best_shared:
                     best, best_shared = sample, shared
         prompt = self.tokenizer.prompt_ids(messages, tools=tools)

@@ -250,3 +250,15 @@ def test_discarded_first_call_or_fork_leaves_no_sample(tok: ChatTokenizer) -> No
     cap.discard(fork)
     assert len(cap.samples) == 1 and cap.num_forks == 0 and cap.mismatched_tokens == 0
     assert cap.plan([*messages, Message(role="user", content="go")], TOOLS).sample == 0
+
+
+def test_a_call_on_a_generating_sample_forks_as_concurrent(tok: ChatTokenizer) -> None:
+    cap = Capture(tok)
+    first = cap.plan(FIRST, TOOLS)
+    reply = generate(cap, first, "Hi.")
+    more = [*FIRST, as_client_sends(reply), Message(role="user", content="and 4?")]
+    busy = cap.plan(more, TOOLS)  # generating: the same call again cannot extend it
+    again = cap.plan(more, TOOLS)
+    assert busy.fork is None and busy.sample == 0
+    assert again.fork is not None and again.fork.reason == "concurrent_call"
+    assert again.fork.from_sample == 0 and again.sample == 1
