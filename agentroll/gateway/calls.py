@@ -57,6 +57,25 @@ class _Call:
         self.sent = 0  # tokens already sent to the client
 
 
+class StreamedCall:
+    """A streamed call's events; ``close`` undoes the call when they were never iterated
+    (once they were, the events' own ``finally`` settles the call)."""
+
+    __slots__ = ("_events", "_started", "_undo")
+
+    def __init__(self, events: AsyncIterator[bytes], undo: Callable[[], None]) -> None:
+        self._events, self._undo, self._started = events, undo, False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        self._started = True
+        return self._events
+
+    def close(self) -> None:
+        if not self._started:
+            self._started = True  # undone once
+            self._undo()
+
+
 class CallHandler:
     """The calls of a ``Gateway`` (which sets every attribute below)."""
 
@@ -293,9 +312,11 @@ class CallHandler:
             )
         return finish
 
-    async def chat_stream(self, session: Session, req: ChatRequest) -> AsyncIterator[bytes]:
-        """Answer a streamed Chat Completions call: an iterator of server-sent events.
-        Checks run before the first event (``RequestError`` is raised here, not streamed)."""
+    async def chat_stream(self, session: Session, req: ChatRequest) -> StreamedCall:
+        """Answer a streamed Chat Completions call: its server-sent events.  Checks run
+        before the first event (``RequestError`` is raised here, not streamed); call the
+        result's ``close`` once the response is over (it undoes a call whose events were
+        never iterated: a client that left before the first byte)."""
         messages, tools, s = check_chat(req, self._tools)
         if s.n > 1:
             raise RequestError(400, "n > 1 with stream is not supported; make n calls", param="n")
@@ -309,7 +330,8 @@ class CallHandler:
             raise
         call = _Call(session, plan, f"{session.id}-{call_index}-0", True)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self._chat_events(session, plan, sampling, call, s, req.model, include_usage)
+        events = self._chat_events(session, plan, sampling, call, s, req.model, include_usage)
+        return StreamedCall(events, lambda: session.capture.discard(plan))
 
     async def _chat_events(
         self,
@@ -496,4 +518,4 @@ class CallHandler:
         }
 
 
-__all__ = ["CallHandler"]
+__all__ = ["CallHandler", "StreamedCall"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from agentroll.gateway.calls import StreamedCall
 from agentroll.gateway.gateway import Gateway
 from agentroll.gateway.session import Session
 from agentroll.gateway.wire import (
@@ -178,6 +179,7 @@ class GatewayApp:
                     (),
                     _SSE,
                     [("cache-control", "no-cache")],
+                    on_close=events.close,
                     stream=self._tracked(session, events),
                 )
             return _json(await self._call(request, session, gw.chat(session, creq)))
@@ -215,14 +217,13 @@ class GatewayApp:
         finally:
             forget()
 
-    async def _tracked(
-        self, session: Session, events: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
+    async def _tracked(self, session: Session, call: StreamedCall) -> AsyncIterator[bytes]:
         # not the connection's task (ending the session must not kill the connection): a
         # handle that ``end`` cancels, seen between events
         handle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        key = f"stream-{id(events)}"
+        key = f"stream-{id(call)}"
         session.in_flight[key] = handle
+        events = aiter(call)
         try:
             async for event in events:
                 if handle.cancelled():

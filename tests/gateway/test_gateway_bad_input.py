@@ -29,7 +29,8 @@ from gateway_helpers import (
 
 from agentroll.backends.mock import MockBackend
 from agentroll.chat import ChatTokenizer
-from agentroll.gateway import GatewayConfig
+from agentroll.gateway import Gateway, GatewayConfig
+from agentroll.gateway.wire import ChatRequest
 
 USER: Any = {"role": "user", "content": "hi"}
 TOOL = TOOLS[0]
@@ -367,3 +368,22 @@ async def test_client_leaving_mid_call_aborts_it(tok: ChatTokenizer, stream: boo
     assert traj.num_generated == len(script_ids(tok, LONG))
     check_session([traj], recorder.generations, logprob_of=mock_logprob)
     assert [m.role for m in traj.messages] == ["system", "user", "assistant"]
+
+
+async def test_a_stream_never_started_is_undone(tok: ChatTokenizer) -> None:
+    """A client gone before its streamed response began: closing the unstarted events
+    undoes the call, so the retry extends the session as if it had been the first."""
+    backend = MockBackend([ANSWER], tokenizer=tok)
+    async with backend, Gateway(backend) as gw:
+        session = gw.open_session(task_id="early")
+        request = ChatRequest(messages=[dict(USER)], stream=True)
+        events = await gw.chat_stream(session, request)
+        events.close()  # what the server does when the response is over
+        assert [s.busy for s in session.capture.samples] == []
+        retried = await gw.chat_stream(session, request)
+        replies = [e async for e in retried]
+        retried.close()  # iterated: settled by the events themselves
+        await gw.end(session)
+    assert replies[-1] == b"data: [DONE]\n\n"
+    (traj,) = gw.finished
+    assert not traj.forks and len(traj.turns) == 1
