@@ -10,7 +10,6 @@ themselves are ``CallHandler``'s (agentroll.gateway.calls).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -82,28 +81,27 @@ class Gateway(CallHandler):
         self._calls: dict[str, _Call] = {}
         self._tools_cache: dict[bytes, list[ToolSpec]] = {}
         self.pauses = PauseController(backend, self._views)
-        self._tg: asyncio.TaskGroup | None = None
+        self._reaper: asyncio.Task[None] | None = None  # owned: cancelled on exit
         self.stats = {"calls": 0, "failed_calls": 0, "sessions": 0, "abandoned": 0, "forks": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Gateway:
-        self._tg = asyncio.TaskGroup()
-        await self._tg.__aenter__()
-        self._tg.create_task(self._reap())
+        self._reaper = asyncio.create_task(self._reap(), name="agentroll-gateway-reaper")
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        tg, self._tg = self._tg, None
+        reaper, self._reaper = self._reaper, None
         try:
             for session in list(self.sessions.values()):
                 await self.end(session, status="abandoned", reason="gateway_closed")
         finally:
-            if tg is not None:
-                for task in list(tg._tasks):  # the reaper: it runs until cancelled
-                    task.cancel()
-                with contextlib.suppress(BaseExceptionGroup):
-                    await tg.__aexit__(None, None, None)
+            if reaper is not None:
+                reaper.cancel()
+                await asyncio.wait([reaper])
+                failure = None if reaper.cancelled() else reaper.exception()
+                if failure is not None:  # it ended sessions: publishing one of them failed
+                    raise failure
 
     async def _reap(self) -> None:
         """End sessions idle for longer than ``idle_timeout`` as abandoned."""
@@ -185,11 +183,11 @@ class Gateway(CallHandler):
         if session.ended:
             return []
         session.ended = True
-        for task in list(session.in_flight.values()):
+        pending = list(session.in_flight.values())
+        for task in pending:
             task.cancel()
-        for task in list(session.in_flight.values()):
-            with contextlib.suppress(BaseException):
-                await task
+        if pending:  # wait for them to settle; this task's own cancellation still propagates
+            await asyncio.wait(pending)
         self.sessions.pop(session.id, None)
         self._ended[session.id] = status
         if len(self._ended) > _ENDED_MEMORY:
