@@ -222,7 +222,7 @@ class CallHandler:
 
     async def chat(self, session: Session, req: ChatRequest) -> dict[str, Any]:
         """Answer a non-streamed Chat Completions call (OpenAI reply dict)."""
-        messages, tools, s = check_chat(req, self._tools)
+        messages, tools, s = check_chat(req, self._tools, session.messages)
         self._begin(session)
         call_index = session.capture.calls
         plans = self._plans(session, messages, tools, s.n)
@@ -317,7 +317,7 @@ class CallHandler:
         before the first event (``RequestError`` is raised here, not streamed); call the
         result's ``close`` once the response is over (it undoes a call whose events were
         never iterated: a client that left before the first byte)."""
-        messages, tools, s = check_chat(req, self._tools)
+        messages, tools, s = check_chat(req, self._tools, session.messages)
         if s.n > 1:
             raise RequestError(400, "n > 1 with stream is not supported; make n calls", param="n")
         self._begin(session)

@@ -14,6 +14,7 @@ from typing import Any
 
 from agentroll.chat import ChatTokenizer
 from agentroll.gateway.capture import Capture
+from agentroll.gateway.wire import MessageMemo
 from agentroll.types import Status, Task, Trajectory, new_id, now
 
 
@@ -38,6 +39,7 @@ class Session:
         self.seed = seed
         self.metadata = metadata
         self.capture = Capture(tokenizer)
+        self.messages = MessageMemo()  # the last call's messages, checked
         self.rewards: dict[str, float] = {}
         self.reward: float | None = None
         self.started_at = now()

@@ -199,10 +199,12 @@ def check_sampling(
 def check_chat(
     req: ChatRequest,
     tools_of: Callable[[list[ToolDef] | None], list[ToolSpec] | None] | None = None,
+    memo: MessageMemo | None = None,
 ) -> tuple[list[Message], list[ToolSpec] | None, Sampling]:
     """The conversation, tools and sampling of a chat call; ``RequestError`` on anything the
     gateway cannot do exactly.  ``tools_of`` checks the tools (default ``check_tools``; a
-    gateway passes its cache, so a session's tools stay one object)."""
+    gateway passes its cache, so a session's tools stay one object); ``memo``: the session's
+    ``MessageMemo``."""
     for name, value in (
         ("frequency_penalty", req.frequency_penalty),
         ("presence_penalty", req.presence_penalty),
@@ -239,7 +241,7 @@ def check_chat(
             "use 'auto' or leave it out",
             param="tool_choice",
         )
-    messages = check_messages(req.messages)
+    messages = check_messages(req.messages, memo)
     sampling = check_sampling(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -373,39 +375,60 @@ def _tool_calls(value: Any, where: str) -> list[ToolCall]:
     return calls
 
 
-def check_messages(raw: list[dict[str, Any]]) -> list[Message]:
-    """The chat as ``Message``s; ``RequestError`` when it is not a valid chat."""
+def check_message(m: dict[str, Any], i: int) -> Message:
+    """Message ``i`` of a chat as a ``Message``; ``RequestError`` when it is not valid."""
+    where = f"messages[{i}]"
+    role = m.get("role")
+    if role not in _ROLES:
+        raise RequestError(
+            400,
+            f"{where}.role={json.dumps(role)} is not supported; use one of {sorted(_ROLES)}",
+            param=f"{where}.role",
+        )
+    if role == "developer":  # the newer name of the system role
+        role = "system"
+    name = m.get("name")
+    tool_call_id = m.get("tool_call_id")
+    if role == "tool" and not isinstance(tool_call_id, str):
+        raise RequestError(400, f"{where} (role tool) needs a string tool_call_id", param=where)
+    content = _content(m.get("content"), f"{where}.content")
+    calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else []
+    return Message(
+        role=role,
+        content=content,
+        tool_calls=calls,
+        tool_call_id=tool_call_id if role == "tool" else None,
+        name=name if isinstance(name, str) and role == "tool" else None,
+    )
+
+
+class MessageMemo:
+    """A session's last call's messages, checked: an agent loop resends its whole history
+    every call, and the messages it resent unchanged (equal as decoded JSON) are not checked
+    again, so a call costs its new messages, not its history."""
+
+    __slots__ = ("_checked", "_raw")
+
+    def __init__(self) -> None:
+        self._raw: list[dict[str, Any]] = []
+        self._checked: list[Message] = []
+
+    def check(self, raw: list[dict[str, Any]]) -> list[Message]:
+        old, n = self._raw, 0
+        limit = min(len(raw), len(old))
+        while n < limit and raw[n] == old[n]:
+            n += 1
+        out = self._checked[:n] + [check_message(raw[i], i) for i in range(n, len(raw))]
+        self._raw, self._checked = raw, out
+        return out
+
+
+def check_messages(raw: list[dict[str, Any]], memo: MessageMemo | None = None) -> list[Message]:
+    """The chat as ``Message``s (through ``memo`` when given); ``RequestError`` when it is
+    not a valid chat."""
     if not raw:
         raise RequestError(400, "messages is empty; send at least one message", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        role = m.get("role")
-        if role not in _ROLES:
-            raise RequestError(
-                400,
-                f"{where}.role={json.dumps(role)} is not supported; use one of {sorted(_ROLES)}",
-                param=f"{where}.role",
-            )
-        if role == "developer":  # the newer name of the system role
-            role = "system"
-        name = m.get("name")
-        tool_call_id = m.get("tool_call_id")
-        if role == "tool" and not isinstance(tool_call_id, str):
-            raise RequestError(400, f"{where} (role tool) needs a string tool_call_id", param=where)
-        content = _content(m.get("content"), f"{where}.content")
-        calls = (
-            _tool_calls(m.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else []
-        )
-        out.append(
-            Message(
-                role=role,
-                content=content,
-                tool_calls=calls,
-                tool_call_id=tool_call_id if role == "tool" else None,
-                name=name if isinstance(name, str) and role == "tool" else None,
-            )
-        )
+    out = (memo or MessageMemo()).check(raw)
     if all(m.role == "system" for m in out):
         raise RequestError(
             400, "messages holds only system messages; add a user message", param="messages"
@@ -463,12 +486,14 @@ def sse(event: dict[str, Any] | str) -> bytes:
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
+    "MessageMemo",
     "RequestError",
     "RewardRequest",
     "Sampling",
     "SessionRequest",
     "chat_reply",
     "check_chat",
+    "check_message",
     "check_messages",
     "check_sampling",
     "check_schema",

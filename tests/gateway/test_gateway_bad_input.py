@@ -387,3 +387,24 @@ async def test_a_stream_never_started_is_undone(tok: ChatTokenizer) -> None:
     assert replies[-1] == b"data: [DONE]\n\n"
     (traj,) = gw.finished
     assert not traj.forks and len(traj.turns) == 1
+
+
+def test_resent_messages_are_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's memo checks only what a call adds to the messages of the one before;
+    a changed message is checked again (and a bad one still refused)."""
+    from agentroll.gateway import wire
+
+    checked: list[int] = []
+    real = wire.check_message
+    monkeypatch.setattr(wire, "check_message", lambda m, i: (checked.append(i), real(m, i))[1])
+    memo = wire.MessageMemo()
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    second = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    assert [m.content for m in wire.check_messages(first, memo)] == ["s", "u"]
+    assert [m.content for m in wire.check_messages(second, memo)] == ["s", "u", "a", "v"]
+    assert checked == [0, 1, 2, 3]
+    edited = [second[0], {"role": "user", "content": "edited"}, *second[2:]]
+    assert wire.check_messages(edited, memo)[1].content == "edited"
+    assert checked[4:] == [1, 2, 3]
+    with pytest.raises(wire.RequestError, match="role"):
+        wire.check_messages([*edited, {"role": "robot", "content": "x"}], memo)
