@@ -67,8 +67,9 @@ class AgentEnvironment(Environment):
     async def open_driver(self, backend: Any, tokenizer: Any) -> None:
         stack = contextlib.AsyncExitStack()
         try:
+            # each episode takes its samples from ``end``: the gateway keeps none of them
             self.gateway = await stack.enter_async_context(
-                Gateway(backend, tokenizer=tokenizer, config=self.gateway_config)
+                Gateway(backend, tokenizer=tokenizer, config=self.gateway_config, publish=_drop)
             )
             self.url = await stack.enter_async_context(
                 serve_gateway(self.gateway, host=self._host, token=self._token)
@@ -91,7 +92,7 @@ class AgentEnvironment(Environment):
         if gw is None:
             raise RuntimeError("AgentEnvironment is not open; run it inside a RolloutEngine")
         session = gw.open_session(task=task, seed=state.seed)
-        error: str | None = None
+        error: str | None = "CancelledError: the episode was cancelled"  # until the agent returns
         try:
             value = await call_hook(
                 self.agent, task, f"{self.url}/sessions/{session.id}/v1", session.id
@@ -100,6 +101,7 @@ class AgentEnvironment(Environment):
                 session.set_reward(None, {str(k): float(v) for k, v in value.items()})
             elif value is not None:
                 session.set_reward(float(value), None)
+            error = None
         except Exception as exc:  # a failed agent is data
             error = unicode_safe(f"{type(exc).__name__}: {exc}")
         finally:
@@ -117,6 +119,10 @@ class AgentEnvironment(Environment):
     async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
         """The reward when the agent returned None and posted none.  Default: 0."""
         return 0.0
+
+
+async def _drop(trajectories: list[Trajectory]) -> None:
+    """The gateway's sink under an engine: the episode already holds the samples."""
 
 
 __all__ = ["AgentEnvironment", "AgentFn"]

@@ -46,6 +46,7 @@ async def test_agent_environment_runs_groups_through_the_engine(tok: ChatTokeniz
     config = RolloutConfig(samples_per_task=2, concurrency=4, progress="off")
     async with backend, RolloutEngine(backend, env, config, tokenizer=tok) as engine:
         groups = [g async for g in engine.run_groups()]
+        assert env.gateway is not None and env.gateway.finished == []  # nothing kept twice
     assert env.gateway is None  # closed with the engine
     assert sorted(len(g) for g in groups) == [2, 2, 2]
     prompts = {tuple(r.prompt_ids) for r in backend.requests}
