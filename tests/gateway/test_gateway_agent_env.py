@@ -64,3 +64,26 @@ async def test_agent_environment_runs_groups_through_the_engine(tok: ChatTokeniz
             assert len(sampled) == t.num_generated > 0
             assert not np.isnan(t.logprobs[sampled]).any()
             assert "5" in tok.decode(ids[t.turns[0].gen_end : t.turns[0].env_end])
+
+
+async def test_a_failing_agent_is_data(tok: ChatTokenizer) -> None:
+    """An agent that raises after its first call: the episode's sample is kept, failed,
+    with the error; its sibling episodes are untouched."""
+
+    async def flaky(task: Task, base_url: str, api_key: str) -> float:
+        if task.id == "bad":
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+            messages = [{"role": "user", "content": "add"}]
+            await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+            raise RuntimeError("the agent crashed")
+        return await agent(task, base_url, api_key)
+
+    backend = MockBackend(script, tokenizer=tok)
+    tasks = [Task(id=i, data={"prompt": "add 2 and 3"}) for i in ("bad", "good")]
+    config = RolloutConfig(concurrency=2, progress="off")
+    async with backend, RolloutEngine(backend, AgentEnvironment(flaky), config, tokenizer=tok) as e:
+        trajs = {t.task_id: t async for t in e.run(tasks)}
+    bad, good = trajs["bad"], trajs["good"]
+    assert bad.status == "failed" and "the agent crashed" in (bad.error or "")
+    assert len(bad.turns) == 1 and bad.num_generated > 0
+    assert good.status == "ok" and good.reward == 1.0 and good.error is None
