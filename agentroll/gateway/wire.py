@@ -419,7 +419,9 @@ class MessageMemo:
         while n < limit and raw[n] == old[n]:
             n += 1
         out = self._checked[:n] + [check_message(raw[i], i) for i in range(n, len(raw))]
-        self._raw, self._checked = raw, out
+        # a copy: an in-process caller appends to the list it passes (its dicts it must not
+        # change in place after a call)
+        self._raw, self._checked = list(raw), out
         return out
 
 

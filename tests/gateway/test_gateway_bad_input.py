@@ -408,3 +408,14 @@ def test_resent_messages_are_checked_once(monkeypatch: pytest.MonkeyPatch) -> No
     assert checked[4:] == [1, 2, 3]
     with pytest.raises(wire.RequestError, match="role"):
         wire.check_messages([*edited, {"role": "robot", "content": "x"}], memo)
+
+
+def test_the_memo_is_not_fooled_by_a_list_that_grows() -> None:
+    """An in-process caller that appends to the same list for its next call."""
+    from agentroll.gateway import wire
+
+    memo = wire.MessageMemo()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "u"}]
+    wire.check_messages(messages, memo)
+    messages += [{"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    assert [m.content for m in wire.check_messages(messages, memo)] == ["u", "a", "v"]
