@@ -74,6 +74,35 @@ class SyncReport(msgspec.Struct, kw_only=True):
     failed: dict[str, str] = {}  # replica -> why its update failed (it left the rotation)
 
 
+class SleepReport(msgspec.Struct, kw_only=True):
+    """What one ``backend.sleep(level)`` released.  ``freed_bytes`` counts the tensors freed
+    (KV cache, and at level 2 the weights and what is derived from them); ``kept_bytes`` the
+    host copies of the KV of requests that continue from it (``keep``)."""
+
+    level: int
+    version: int
+    freed_bytes: int = 0
+    kv_bytes: int = 0
+    weight_bytes: int = 0
+    kept_bytes: int = 0
+    parked: int = 0  # requests in flight, kept across the sleep
+    seconds: float = 0.0
+
+
+class WakeReport(msgspec.Struct, kw_only=True):
+    """What one ``backend.wake(...)`` did: the version it serves, whether it installed an
+    update or fell back to the last good weights, the requests it restored."""
+
+    level: int
+    version: int
+    updated: bool = False
+    fallback: bool = False
+    restored: int = 0
+    seconds: float = 0.0
+    # request id (a fleet: replica name) -> why it could not be restored (its stream fails)
+    failed: dict[str, str] = {}
+
+
 def _as_token_array(name: str, values: Any, dtype: np.dtype[Any]) -> np.ndarray:
     """``values`` as ``Trajectory.<name>``'s dtype.  Into an integer array a conversion must
     keep every value (``np.ones(n)`` is fine; NaN, fractions and out-of-range integers raise

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU-only checks, for a machine with CUDA (skipped, never faked, elsewhere).  Prepared
 # for a lent GPU machine; not run on the CPU development machines.
-#   1. the built-in engine's learning-semantics checks on cuda, and the tests marked gpu;
+#   1. the built-in engine's learning-semantics checks on cuda, and the tests marked gpu
+#      (sleep/wake freeing device memory, measured with torch.cuda.mem_get_info);
 #   2. vLLM on CUDA: the official vllm==0.32.0 build, then `validate --backend vllm`,
 #      `bench vllm` and the vllm-marked tests (in-process and OpenAI-server backends), then
 #      the CUDA-only vLLM tests: full served-weight verification, and the NCCL weight
-#      transfers when there are two GPUs (skipped, and said so, on one).
+#      transfers when there are two GPUs (skipped, and said so, on one), and vLLM's sleep mode;
+#   3. layout conversion from FSDP2 shards over NCCL (two processes, one GPU each when there
+#      are two, else both on one).
 # Every result line goes to gpu-results.txt (override with GPU_RESULTS=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ make venv
 
 echo "==> built-in engine on cuda" | tee -a "$out"
 .venv/bin/agentroll validate --backend torch --device cuda 2>&1 | tee -a "$out"
-AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -m gpu tests/engine 2>&1 | tail -n 5 | tee -a "$out"
+AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -s -m gpu tests/engine 2>&1 | grep -E '^cuda_sleep|passed|failed' | tee -a "$out"
 
 echo "==> vLLM on cuda (the official build)" | tee -a "$out"
 # vllm 0.32 is built against torch 2.13: it keeps the venv's torch when that is a CUDA build

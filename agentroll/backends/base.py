@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import msgspec
 
-from agentroll.types import FinishReason, ResumePolicy, SamplingParams, Strategy, SyncReport
+from agentroll.types import (
+    FinishReason,
+    ResumePolicy,
+    SamplingParams,
+    SleepReport,
+    Strategy,
+    SyncReport,
+    WakeReport,
+)
 
 if TYPE_CHECKING:
     from agentroll.chat import ChatTokenizer
@@ -127,6 +135,36 @@ class SupportsSnapshotMany(SupportsSnapshot, Protocol):
     async def snapshot_many(
         self, request_ids: list[str], *, with_kv: bool = True, hold_kv: bool = False
     ) -> dict[str, RequestSnapshot]: ...
+
+
+@runtime_checkable
+class SupportsSleep(Protocol):
+    """Gives its memory back between rollout phases (colocated placement).
+
+    ``sleep(1)`` releases the KV cache, ``sleep(2)`` the weights as well; requests in flight
+    are paused first and parked (a ``keep`` request with its KV on the host, the others to
+    be recomputed or restarted at wake, per ``policy`` / ``policies``).  ``wake(update)``
+    installs the next version before generation continues (required after level 2 unless
+    ``fallback``: the last good weights).  Generation requests made meanwhile wait."""
+
+    @property
+    def asleep(self) -> int: ...
+
+    async def sleep(
+        self,
+        level: int = 1,
+        *,
+        policy: ResumePolicy | None = None,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> SleepReport: ...
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport: ...
 
 
 @runtime_checkable

@@ -27,11 +27,13 @@ from agentroll.backends.base import (
     ReportsInflight,
     ResumePolicy,
     SupportsAbort,
+    SupportsSleep,
     SupportsSnapshotMany,
     SupportsStaging,
 )
 from agentroll.chat import ChatTokenizer
 from agentroll.errors import BackendError
+from agentroll.types import SleepReport, WakeReport
 
 if TYPE_CHECKING:
     from agentroll.engine.snapshot import RequestSnapshot
@@ -71,7 +73,13 @@ class _Stream:
 
 
 class TorchBackend(
-    Backend, SupportsSnapshotMany, SupportsStaging, SupportsAbort, ReportsInflight, ReportsBusy
+    Backend,
+    SupportsSnapshotMany,
+    SupportsStaging,
+    SupportsSleep,
+    SupportsAbort,
+    ReportsInflight,
+    ReportsBusy,
 ):
     """``TorchBackend(EngineConfig(model=DIR))`` or ``TorchBackend(DIR, dtype=..., ...)``.
 
@@ -114,6 +122,10 @@ class TorchBackend(
         self._gen_since: float | None = None
         self.steps = 0
         self._staged: Any = None
+        self._updating = 0  # weight updates in progress (apply, load, stage, swap)
+        self._sleep_policies: dict[str, ResumePolicy] = {}
+        self._sleep_paused = False  # the caller had paused before sleep: wake leaves it so
+        self.spill_dir: str | None = None  # where a CPU engine parks weights at level 2
 
     @property
     def policy_version(self) -> int:
@@ -139,6 +151,9 @@ class TorchBackend(
                 await stepper
         for stream in self._streams.values():
             stream.put_nowait(BackendError("the torch backend was closed"))
+        sleep = getattr(self.engine, "_sleep", None)
+        if sleep is not None and sleep.weights is not None:
+            sleep.weights.discard()  # its spill file
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -353,6 +368,8 @@ class TorchBackend(
         (keeping its KV).  ``policy`` is applied at ``resume``."""
         if policy not in ("keep", "recompute", "restart"):
             raise ValueError(f"unknown resume policy {policy!r}; use keep, recompute or restart")
+        if self.asleep:  # paused already; its requests are parked under the sleep's policies
+            return
         self._paused = True
         self._policy = policy
         await self._idle.wait()
@@ -365,6 +382,8 @@ class TorchBackend(
         ``policies`` names for its request id."""
         if not self._paused:
             return
+        if self.asleep:
+            raise BackendError("the backend sleeps; `await backend.wake(...)` resumes it")
         rollback = self.engine.resume_all(self._policy, policies)
         for request_id, n in rollback.items():
             stream = self._streams.get(request_id)
@@ -396,12 +415,9 @@ class TorchBackend(
         return self._paused
 
     def inflight(self) -> dict[str, int]:
-        """Tokens generated so far by each unfinished request (exact while paused)."""
-        return {
-            rid: req.seq.num_generated
-            for rid, req in self.engine.requests.items()
-            if not req.seq.is_finished
-        }
+        """Tokens generated so far by each unfinished request (exact while paused; parked
+        requests of a sleeping engine included)."""
+        return dict(self.engine.inflight())
 
     def _require_paused(self, what: str) -> None:
         if not self._paused:
@@ -414,19 +430,23 @@ class TorchBackend(
     ) -> int:
         """Load full weights in place while paused; returns the new policy version."""
         self._require_paused("load_weights")
+        self._require_awake("load_weights")
         loop = asyncio.get_running_loop()
-        return int(
-            await loop.run_in_executor(
-                self._executor, lambda: self.engine.load_weights(weights, version=version)
+        with self._update():
+            return int(
+                await loop.run_in_executor(
+                    self._executor, lambda: self.engine.load_weights(weights, version=version)
+                )
             )
-        )
 
     async def apply(self, update: WeightUpdate) -> None:
         """Apply a ``WeightUpdate`` (full or delta) while paused; ``WeightSyncError`` leaves
         the weights and version unchanged."""
         self._require_paused("apply")
+        self._require_awake("apply")
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.engine.apply_update, update)
+        with self._update():
+            await loop.run_in_executor(self._executor, self.engine.apply_update, update)
 
     def staging_bytes(self, update: WeightUpdate) -> int:
         """Memory a background ``stage`` of ``update`` needs."""
@@ -446,25 +466,149 @@ class TorchBackend(
                 f"a background update needs {need / 2**20:.1f} MiB for its second copy but "
                 f"only {limit / 2**20:.1f} MiB may be used; use the pause or rolling strategy"
             )
-        self._staged = await asyncio.to_thread(self.engine.stage_update, update)
+        self._require_awake("stage")
+        with self._update():
+            self._staged = await asyncio.to_thread(self.engine.stage_update, update)
 
     async def swap(self) -> int:
         """Install the staged update at a token boundary (a pause of one memcpy); returns
         the new version.  In-flight requests keep their KV (``keep``)."""
         if self._staged is None:
             raise BackendError("nothing is staged; call `await backend.stage(update)` first")
+        self._require_awake("swap")
         staged, self._staged = self._staged, None
         was_paused = self._paused
         if not was_paused:
             await self.pause("keep")
         try:
             loop = asyncio.get_running_loop()
-            return int(
-                await loop.run_in_executor(self._executor, self.engine.commit_staged, staged)
-            )
+            with self._update():
+                return int(
+                    await loop.run_in_executor(self._executor, self.engine.commit_staged, staged)
+                )
         finally:
             if not was_paused:
                 await self.resume()
+
+    def _require_awake(self, what: str) -> None:
+        if self.asleep:
+            raise BackendError(
+                f"{what} while the backend sleeps (level {self.asleep}); pass the update to "
+                "`await backend.wake(update)`"
+            )
+
+    @contextlib.contextmanager
+    def _update(self) -> Any:
+        self._updating += 1
+        try:
+            yield
+        finally:
+            self._updating -= 1
+
+    # -- sleep / wake ----------------------------------------------------------------------
+
+    @property
+    def asleep(self) -> int:
+        """The sleep level: 0 awake, 1 KV cache released, 2 weights released as well."""
+        return 0 if self.engine is None else int(self.engine.asleep)
+
+    async def sleep(
+        self,
+        level: int = 1,
+        *,
+        policy: ResumePolicy | None = None,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> SleepReport:
+        """Release the KV cache (level 1), and the weights too (level 2), after pausing at a
+        token boundary.  Requests in flight are parked: under ``keep`` (the default, or the
+        policy of an earlier ``pause``) with a host copy of their KV, under ``recompute`` or
+        ``restart`` without (re-prefilled or regenerated at wake); ``policies`` names it per
+        request id.  Requests made while asleep wait for ``wake``.
+
+        Raises ``BackendError``, changing nothing (a pause it made is undone), when asleep
+        already, during a weight update, or while KV is held for requests moving away."""
+        if self.asleep:
+            raise BackendError(
+                f"the backend sleeps already (level {self.asleep}); `await backend.wake()` first"
+            )
+        if self._updating or self._staged is not None:
+            raise BackendError(
+                "a weight update is in progress on this backend; sleep once it has returned"
+            )
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: use 1 (KV cache) or 2 (KV cache and weights)")
+        if policy is not None and policy not in ("keep", "recompute", "restart"):
+            raise ValueError(f"unknown resume policy {policy!r}; use keep, recompute or restart")
+        was_paused = self._paused
+        if not was_paused:
+            await self.pause(policy or "keep")
+        elif policy is not None:
+            self._policy = policy
+        chosen = {rid: (policies or {}).get(rid, self._policy) for rid in self.engine.requests}
+        keep = [rid for rid, p in chosen.items() if p == "keep"]
+        loop = asyncio.get_running_loop()
+        try:
+            report: SleepReport = await loop.run_in_executor(
+                self._executor,
+                lambda: self.engine.sleep(level, keep_kv=keep, spill_dir=self.spill_dir),
+            )
+        except ValueError as exc:
+            if not was_paused:
+                await self.resume()
+            raise BackendError(f"the backend cannot sleep now: {exc}") from exc
+        self._sleep_policies = dict(policies or {})
+        self._sleep_paused = was_paused
+        self._stop_generating()
+        return report
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        """Reallocate what ``sleep`` released, install ``update`` (full or delta, verified as
+        ``apply`` does), restore the parked requests first in line and, unless the caller had
+        paused before ``sleep``, resume them under the sleep's policies (``policies``
+        overrides per request).  After level 2 an update is required, or ``fallback=True``
+        to serve the last good weights.
+
+        Raises ``BackendError`` when awake or an update is missing, ``WeightSyncError`` when
+        the update is refused: the backend then still sleeps, nothing changed, and a
+        second ``wake`` (another update, or ``fallback``) may follow."""
+        from agentroll.errors import WeightSyncError
+
+        if not self.asleep:
+            raise BackendError("the backend is awake; wake() follows `await backend.sleep()`")
+        if self.asleep == 2 and update is None and not fallback:
+            raise BackendError(
+                "after sleep(2) the weights are released: `wake(update)` installs the next "
+                "version, `wake(fallback=True)` the last good one"
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            with self._update():
+                report: WakeReport = await loop.run_in_executor(
+                    self._executor, lambda: self.engine.wake(update, fallback=fallback)
+                )
+        except WeightSyncError:
+            raise
+        except ValueError as exc:
+            raise BackendError(f"the backend cannot wake: {exc}") from exc
+        for rid, why in report.failed.items():
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(BackendError(f"request {rid!r} {why}"))
+        if report.fallback:
+            logger.info(
+                "the torch backend woke on its last good weights (version %d)", report.version
+            )
+        merged = {**self._sleep_policies, **(policies or {})}
+        self._sleep_policies = {}
+        if not self._sleep_paused:  # else the caller's own resume(...) decides
+            await self.resume(merged)
+        return report
 
     async def snapshot(self, request_id: str, *, with_kv: bool = True) -> RequestSnapshot:
         """A ``RequestSnapshot`` of a request, taken while paused."""

@@ -24,14 +24,16 @@ from agentroll.backends.base import (
     GenerationRequest,
     ResumePolicy,
     SamplingParams,
+    SupportsSleep,
     SupportsStaging,
 )
 from agentroll.errors import BackendError, WeightSyncError
+from agentroll.types import SleepReport, WakeReport
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
 
-__all__ = ["VLLMBackend", "vllm_available"]
+__all__ = ["VLLMBackend", "sleep_mode_unavailable", "vllm_available"]
 
 log = logging.getLogger("agentroll.backends.vllm")
 
@@ -72,7 +74,22 @@ class _Live:
         self.vid = ""
 
 
-class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
+def sleep_mode_unavailable() -> str | None:
+    """Why vLLM's sleep mode cannot run on this platform (None: it can).  It needs vLLM's
+    CUDA memory pool; the CPU build has none."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # a broken install can raise anything on import
+        return f"vllm does not import here: {type(exc).__name__}: {exc}"
+    if not current_platform.is_sleep_mode_available():
+        return (
+            f"vLLM's sleep mode is not available on the {current_platform.device_name} platform "
+            "(it needs CUDA's memory pool); use the torch backend for a colocated placement here"
+        )
+    return None
+
+
+class VLLMBackend(CheckedBackend, Backend, SupportsStaging, SupportsSleep):
     """vLLM in-process.  ``model`` is a Hugging Face style checkpoint directory.
 
     Prompts go in as ``TokensPrompt`` and the engine runs with
@@ -131,8 +148,10 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
         verify_served: bool | None = None,
         probe_tokens: int = 32,
         probe_tolerance: float | None = None,
+        sleep_mode: bool = False,
     ) -> None:
-        """``transfer``: how updates reach vLLM: ``reload`` (a verified checkpoint vLLM
+        """``sleep_mode``: start vLLM with its sleep mode (CUDA only), so that ``sleep`` /
+        ``wake`` release and restore its memory.  ``transfer``: how updates reach vLLM: ``reload`` (a verified checkpoint vLLM
         reloads; CPU and GPU), ``nccl`` / ``sparse_nccl`` (vLLM's weight-transfer engines,
         sent from ``transfer_device``, a CUDA device other than vLLM's).  ``verify_served``:
         compare vLLM's per-parameter digests with the verified host tensors after each
@@ -164,6 +183,10 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
         self._sender: Any = None
         self._staged: tuple[Any, Any, Path] | None = None
         self.stats: dict[str, int] = {"version_mismatch": 0, "restarted": 0, "updates": 0}
+        self.sleep_mode = sleep_mode
+        self._asleep = 0
+        self._sleep_paused = False
+        self._sleep_policies: dict[str, ResumePolicy] = {}
 
     @property
     def policy_version(self) -> int:
@@ -189,6 +212,11 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
         extra: dict[str, Any] = {**cpu_engine_defaults(self.max_model_len), **self.engine_kwargs}
         if self.transfer != "reload":
             extra.setdefault("weight_transfer_config", {"backend": self.transfer})
+        if self.sleep_mode:
+            reason = sleep_mode_unavailable()
+            if reason is not None:
+                raise BackendError(reason)
+            extra.setdefault("enable_sleep_mode", True)
         args = AsyncEngineArgs(
             model=str(self.model_dir),
             dtype=dtype,
@@ -373,6 +401,99 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
             self._probe_due = False
             await self._probe()
 
+    # -- sleep / wake (CUDA) -------------------------------------------------------------
+
+    @property
+    def asleep(self) -> int:
+        return self._asleep
+
+    async def sleep(
+        self,
+        level: int = 1,
+        *,
+        policy: ResumePolicy | None = None,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> SleepReport:
+        """vLLM's sleep mode: level 1 offloads the weights to host memory and discards the
+        KV cache, level 2 discards both.  Requests in flight are paused first; their KV is
+        discarded with the cache, so a ``keep`` request is re-prefilled at wake (its
+        ``kv_version`` becomes the woken version: honest provenance, not kept KV).
+
+        Raises ``BackendError`` naming the reason where the platform has no sleep mode (the
+        CPU build) or the backend was not started with ``sleep_mode=True``."""
+        import time
+
+        self._require_started()
+        reason = sleep_mode_unavailable()
+        if reason is None and not self.sleep_mode:
+            reason = "start the vllm backend with sleep_mode=True to use sleep()"
+        if reason is not None:
+            raise BackendError(reason)
+        if self._asleep:
+            raise BackendError(f"the backend sleeps already (level {self._asleep}); wake first")
+        if self._staged is not None:
+            raise BackendError("a weight update is staged; swap it before sleeping")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: use 1 (KV cache) or 2 (KV cache and weights)")
+        t0 = time.perf_counter()
+        self._sleep_paused = self._paused
+        # the KV goes with the cache: every request in flight resumes by re-prefilling
+        chosen = policy or self._pause_policy
+        await self.pause("restart" if chosen == "restart" else "recompute")
+        self._sleep_policies = {
+            rid: "restart" if p == "restart" else "recompute" for rid, p in (policies or {}).items()
+        }
+        free0 = _cuda_free()
+        await self.llm.sleep(level)
+        self._asleep = level
+        freed = max(0, _cuda_free() - free0)
+        return SleepReport(
+            level=level,
+            version=self._version,
+            freed_bytes=freed,
+            parked=len(self._live),
+            seconds=time.perf_counter() - t0,
+        )
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        """Wake vLLM; after level 2 the verified host weights are reloaded first (the last
+        good version), then ``update`` is applied as ``apply`` does.  A refused update
+        raises ``WeightSyncError`` with vLLM awake, paused, on the last good weights."""
+        import time
+
+        if not self._asleep:
+            raise BackendError("the backend is awake; wake() follows `await backend.sleep()`")
+        if self._asleep == 2 and update is None and not fallback:
+            raise BackendError(
+                "after sleep(2) the weights are discarded: `wake(update)` installs the next "
+                "version, `wake(fallback=True)` the last good one"
+            )
+        t0 = time.perf_counter()
+        level = self._asleep
+        await self.llm.wake_up()
+        self._asleep = 0
+        if level == 2:  # vLLM's weights are garbage now: reload the verified host copy
+            await self._reload(self.weights.served)
+        if update is not None:
+            await self.apply(update)
+        merged = {**self._sleep_policies, **(policies or {})}
+        if not self._sleep_paused:
+            await self.resume(merged)
+        return WakeReport(
+            level=level,
+            version=self._version,
+            updated=update is not None,
+            fallback=update is None and level == 2,
+            restored=len(self._live),
+            seconds=time.perf_counter() - t0,
+        )
+
     def _require_started(self) -> None:
         if self.llm is None:
             raise BackendError("the vllm backend is not started; use `async with backend:`")
@@ -478,3 +599,12 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging):
         return [
             lp[t].logprob for lp, t in zip(final.prompt_logprobs[1:], token_ids[1:], strict=True)
         ]
+
+
+def _cuda_free() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _ = torch.cuda.mem_get_info()
+    return int(free)

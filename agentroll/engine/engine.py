@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +25,10 @@ from agentroll.engine.models import read_config
 from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
+from agentroll.engine.sleep import ParkedWeights, SleepState
 from agentroll.engine.snapshot import KVHold, RequestSnapshot
-from agentroll.errors import ConfigError
-from agentroll.types import ResumePolicy, SamplingParams
+from agentroll.errors import ConfigError, WeightSyncError
+from agentroll.types import ResumePolicy, SamplingParams, SleepReport, WakeReport
 from agentroll.weights.apply import StagedUpdate, WeightStore
 from agentroll.weights.update import WeightUpdate
 
@@ -170,6 +172,7 @@ class LLMEngine:
         )
         self.num_steps = 0
         self._store: WeightStore | None = None
+        self._sleep: SleepState | None = None
 
     def _set_threads(self, hidden: int) -> None:
         threads = self.config.num_threads
@@ -203,7 +206,12 @@ class LLMEngine:
         return self.scheduler.weights_version
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._sleep is None and self.scheduler.has_work()
+
+    @property
+    def asleep(self) -> int:
+        """The sleep level (0: awake)."""
+        return 0 if self._sleep is None else self._sleep.level
 
     # -- requests --------------------------------------------------------------------------
 
@@ -238,9 +246,24 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks (no-op if unknown)."""
+        """Drop a request and free its blocks (no-op if unknown); asleep, drop it from the
+        parked requests."""
+        if self._sleep is not None:
+            self._sleep.snapshots.pop(request_id, None)
         self.requests.pop(request_id, None)
         self.scheduler.abort(request_id)
+
+    def inflight(self) -> dict[str, int]:
+        """Tokens generated so far by each unfinished request (parked ones included)."""
+        out = {
+            rid: req.seq.num_generated
+            for rid, req in self.requests.items()
+            if not req.seq.is_finished
+        }
+        if self._sleep is not None:
+            for rid, snap in self._sleep.snapshots.items():
+                out[rid] = snap.num_generated
+        return out
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Hand back blocks a ``KVHold`` of ``snapshot_many(hold_kv=...)`` kept."""
@@ -250,7 +273,10 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Run one scheduler step; returns the tokens sampled (and requests that ended)."""
+        """Run one scheduler step; returns the tokens sampled (and requests that ended).
+        Asleep, it does nothing (requests added meanwhile wait for ``wake``)."""
+        if self._sleep is not None:
+            return []
         sched = self.scheduler
         out = sched.schedule()
         outputs: list[StepOutput] = []
@@ -325,6 +351,7 @@ class LLMEngine:
         """Log-probabilities (plain softmax, fp32) of ``token_ids[1:]`` under the current
         weights, from a fresh prefill: the reference a ``recompute`` resume must match and
         the prompt logprobs a trainer rescoring needs.  Call between steps."""
+        self._awake("scoring")
         seq = Sequence(f"__score__{len(self.requests)}", list(token_ids))
         seq.drop_kv(self.policy_version)
         bm = self.scheduler.block_manager
@@ -381,6 +408,125 @@ class LLMEngine:
         req.logprobs.clear()
         return dropped
 
+    # -- sleep / wake ----------------------------------------------------------------------
+
+    def sleep(
+        self, level: int, *, keep_kv: Collection[str] = (), spill_dir: str | None = None
+    ) -> SleepReport:
+        """Release the KV cache (level 1) and the weights too (level 2) while every request
+        stands paused.  Each paused request is parked as a snapshot: with a host copy of its
+        KV if its id is in ``keep_kv``, else without (recomputed at wake).  At level 2 the
+        weights are parked (a file on the CPU, host memory for a device) with their
+        checksums.  Raises ``ValueError``, changing nothing, when asleep already, when a
+        request is not paused, or when KV blocks are held for a request moving away."""
+        t0 = time.perf_counter()
+        if self._sleep is not None:
+            raise ValueError(
+                f"the engine is asleep already (level {self._sleep.level}); wake it first"
+            )
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is not 1 (KV cache) or 2 (KV cache and weights)")
+        sched = self.scheduler
+        if sched.running or sched.waiting:
+            raise ValueError("requests are scheduled; pause them before the engine sleeps")
+        bm = sched.block_manager
+        owned = {b for seq in sched.paused.values() for b in seq.block_table}
+        if bm.num_used_blocks > len(owned):
+            raise ValueError(
+                "KV blocks are held for requests moving to another replica; sleep once "
+                "their move has finished"
+            )
+        ids = [seq.seq_id for seq in sorted(sched.paused.values(), key=lambda q: q.arrival)]
+        keep = set(keep_kv)
+        kept = self.snapshot_many([r for r in ids if r in keep], with_kv=True)
+        dropped = self.snapshot_many([r for r in ids if r not in keep], with_kv=False)
+        state = SleepState(level, {rid: kept.get(rid) or dropped[rid] for rid in ids})
+        if level == 2:  # parked before anything is freed: a failure here changes nothing
+            store = self.weight_store()
+            state.weights = ParkedWeights(
+                self.runner.state_dict(), store.checksums, spill_dir=spill_dir
+            )
+        for rid in ids:
+            self.abort(rid)
+        bm.reset_prefix_cache()  # their contents are gone with the cache
+        kv = self.runner.release_kv()
+        weights = 0
+        if level == 2:
+            self._store = None  # it aliases the released tensors
+            weights = self.runner.release_weights()
+        self._sleep = state
+        _release_memory(self.runner.device)
+        kept_bytes = sum(
+            s.k.numel() * s.k.element_size() * 2 for s in kept.values() if s.k is not None
+        )
+        return SleepReport(
+            level=level,
+            version=self.policy_version,
+            freed_bytes=kv + weights,
+            kv_bytes=kv,
+            weight_bytes=weights,
+            kept_bytes=kept_bytes,
+            parked=len(ids),
+            seconds=time.perf_counter() - t0,
+        )
+
+    def wake(self, update: WeightUpdate | None = None, *, fallback: bool = False) -> WakeReport:
+        """Reallocate what ``sleep`` released, install ``update`` (verified as ``apply_update``
+        does) and put the parked requests back, paused, first in line.  At level 2 an update
+        is required unless ``fallback``: then the engine serves its last good weights.
+
+        Raises ``ValueError`` when awake or an update is missing, and ``WeightSyncError``
+        when the update is refused: the engine then still sleeps, its parked weights and
+        requests unchanged, ready for another ``wake``."""
+        t0 = time.perf_counter()
+        state = self._sleep
+        if state is None:
+            raise ValueError("the engine is awake; wake() follows sleep()")
+        if state.level == 2 and update is None and not fallback:
+            raise ValueError(
+                "level 2 released the weights: wake(update) installs the next version, or "
+                "wake(fallback=True) the last good one"
+            )
+        runner = self.runner
+        if state.weights is not None and runner.weights_released:
+            runner.install_weights(state.weights.load())
+            self._store = WeightStore(
+                runner.state_dict(), version=self.policy_version, checksums=state.weights.checksums
+            )
+        if update is not None:
+            try:
+                self.apply_update(update, _waking=True)
+            except WeightSyncError:
+                if state.weights is not None:  # back to sleep: the parked copy is still there
+                    self._store = None
+                    runner.release_weights()
+                    _release_memory(runner.device)
+                raise
+        runner.allocate_kv()
+        self._sleep = None
+        if state.weights is not None:
+            state.weights.discard()
+        failed: dict[str, str] = {}
+        for rid, snap in state.snapshots.items():
+            try:
+                self.restore(snap, paused=True)
+            except ValueError as exc:
+                failed[rid] = f"could not be restored after the engine woke: {exc}"
+        return WakeReport(
+            level=state.level,
+            version=self.policy_version,
+            updated=update is not None,
+            fallback=update is None and state.level == 2,
+            restored=len(state.snapshots) - len(failed),
+            seconds=time.perf_counter() - t0,
+            failed=failed,
+        )
+
+    def _awake(self, what: str) -> None:
+        if self._sleep is not None:
+            hint = "give the update to wake(update)" if "weights" in what else "wake it first"
+            raise ValueError(f"{what} while the engine sleeps (level {self._sleep.level}); {hint}")
+
     # -- weights -------------------------------------------------------------------------
 
     def load_weights(
@@ -388,6 +534,7 @@ class LLMEngine:
     ) -> int:
         """Load new weights in place (full state dict or checkpoint directory) and bump the
         policy version.  Call only while no step runs (the facade pauses first)."""
+        self._awake("loading weights")
         self.runner.load_weights(weights)
         self._store = None  # checksums are stale
         new = self.policy_version + 1 if version is None else version
@@ -400,10 +547,12 @@ class LLMEngine:
             self._store = WeightStore(self.runner.state_dict(), version=self.policy_version)
         return self._store
 
-    def apply_update(self, update: WeightUpdate) -> int:
+    def apply_update(self, update: WeightUpdate, *, _waking: bool = False) -> int:
         """Apply a full or delta ``WeightUpdate`` in place, verified by checksum and digest;
         returns the new policy version.  Raises ``WeightSyncError`` with nothing changed when
         it is refused.  Call only while no step runs (the facade pauses first)."""
+        if not _waking:
+            self._awake("applying new weights")
         store = self.weight_store()
         store.version = self.policy_version
         try:
@@ -416,10 +565,12 @@ class LLMEngine:
     def stage_update(self, update: WeightUpdate) -> StagedUpdate:
         """Verify ``update`` into a copy of the tensors it touches, leaving the live weights
         alone; safe to call from another thread while steps run."""
+        self._awake("staging new weights")
         return self.weight_store().stage(update)
 
     def commit_staged(self, staged: StagedUpdate) -> int:
         """Install a staged update (call only while no step runs); returns the version."""
+        self._awake("installing staged weights")
         store = self.weight_store()
         store.version = self.policy_version
         try:
@@ -447,6 +598,8 @@ class LLMEngine:
         thread-safe callback that hands held blocks back to ``release_blocks`` on this
         engine's thread) the blocks are held instead of read: a ``KVHold`` each, which the
         engine they move to in this process reads (see ``KVHold``)."""
+        if self._sleep is not None:  # the parked snapshots (no KV to hold: it is on the host)
+            return self._sleep.snapshot_many(request_ids, with_kv=with_kv)
         live = [rid for rid in request_ids if rid in self.requests]
         if with_kv and hold_kv is not None:
             out = {}
@@ -519,6 +672,10 @@ class LLMEngine:
         unread when refused.  A refused snapshot may stay referenced for long (a traceback's
         frame, a log record's arguments), and its hold must not keep the source's blocks
         meanwhile; restored again later, it recomputes its KV."""
+        if self._sleep is not None:
+            if snap.kv_hold is not None:
+                snap.kv_hold.release()
+            self._awake("restoring a request")
         try:
             self._restore(snap, paused=paused)
         finally:
@@ -587,3 +744,13 @@ class LLMEngine:
             if paused and seq.status is not SequenceStatus.FINISHED:
                 self.scheduler.pause(seq.seq_id)
         self.requests[snap.request_id] = req
+
+
+def _release_memory(device: torch.device) -> None:
+    """Hand freed memory back: the CUDA caching allocator's blocks, the C heap's pages."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        from agentroll._mem import trim_heap
+
+        trim_heap()

@@ -159,11 +159,9 @@ class ModelRunner:
         self.config = cfg = self.model.config
         self.num_blocks, self.block_size = num_blocks, block_size
         self.batch_invariant, self.invariant_tile = batch_invariant, invariant_tile
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache, self.v_cache = (
-            [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)]
-            for _ in "kv"
-        )
+        self.k_cache: list[Tensor] = []
+        self.v_cache: list[Tensor] = []
+        self.allocate_kv()
         self._block_offsets = torch.arange(block_size, device=self.device)
         dim = cfg.head_dim
         self._inv_freq = 1.0 / (
@@ -185,13 +183,81 @@ class ModelRunner:
         self._fused: tuple[tuple[int, ...], list[Tensor]] | None = None
         self._views: dict[int, Tensor] = {}
         self._params = list(self.model.parameters())
+        self._released: dict[str, tuple[int, ...]] | None = None  # shapes while released
         self._range = torch.arange(64, device=self.device)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of K and V that one block holds over all layers."""
-        k = self.k_cache[0]
-        return 2 * len(self.k_cache) * k[0].numel() * k.element_size()
+        cfg = self.config
+        per_layer = self.block_size * cfg.num_kv_heads * cfg.head_dim
+        return 2 * cfg.num_layers * per_layer * self.dtype.itemsize
+
+    # -- memory (sleep / wake) -------------------------------------------------------------
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache as allocated now (0 after ``release_kv``)."""
+        return sum(c.numel() * c.element_size() for c in self.k_cache + self.v_cache)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the live weights and of the fused copies derived from them."""
+        own = sum(p.numel() * p.element_size() for p in self._params)
+        fused = self._fused[1] if self._fused is not None else []
+        return own + sum(t.numel() * t.element_size() for t in fused if t.numel())
+
+    def allocate_kv(self) -> None:
+        """(Re)allocate the KV cache, zeroed: one buffer, so that freeing it hands every page
+        back to the system at once (one allocation past the allocator's mmap threshold)."""
+        cfg = self.config
+        shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads)
+        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.dtype, device=self.device)
+        self.k_cache, self.v_cache = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+
+    def release_kv(self) -> int:
+        """Free the KV cache (every block's contents are lost); returns the bytes freed.  No
+        step may run until ``allocate_kv``."""
+        freed = self.kv_bytes
+        self.k_cache, self.v_cache = [], []
+        return freed
+
+    def release_weights(self) -> int:
+        """Free the live weights and their fused copies (the parameters keep their names,
+        empty); returns the bytes freed.  No step may run until ``install_weights``."""
+        freed = self.weight_bytes
+        self.weights_changed()
+        params = self.model.named_weights()
+        if self._released is None:
+            self._released = {name: tuple(p.shape) for name, p in params.items()}
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in params.values():
+            p.data = empty
+        return freed
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released is not None
+
+    def install_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        """Give the released parameters their storage back: ``tensors`` (the names of
+        ``state_dict``, on this device, in the runner's dtype) become the live weights
+        without a copy.  Raises ConfigError, changing nothing, on a missing or odd tensor."""
+        params = self.model.named_weights()
+        shapes = self._released or {name: tuple(p.shape) for name, p in params.items()}
+        for name in params:
+            t = tensors.get(name)
+            want = shapes[name]
+            if t is None or tuple(t.shape) != want or t.dtype != self.dtype:
+                got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
+                raise ConfigError(
+                    f"install_weights: tensor {name!r} is {got}, the model needs "
+                    f"{self.dtype}{list(want)}"
+                )
+        for name, p in params.items():
+            p.data = tensors[name].to(self.device)
+        self._released = None
+        self.weights_changed()
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -498,6 +564,7 @@ class ModelRunner:
     def weights_changed(self) -> None:
         """Drop what was derived from the weights (call after writing them in place)."""
         self._fused = None
+        self._views = {}
 
     def state_dict(self) -> dict[str, Tensor]:
         """The live weights under checkpoint names (aliases, not copies)."""

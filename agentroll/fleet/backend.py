@@ -22,12 +22,13 @@ from agentroll.backends.base import (
     GenerationChunk,
     GenerationRequest,
     ResumePolicy,
+    SupportsSleep,
     UpdatesInRotation,
 )
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
 from agentroll.fleet.router import ReplicaStatus, Router
-from agentroll.types import Strategy, SyncReport
+from agentroll.types import SleepReport, Strategy, SyncReport, WakeReport
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
@@ -91,7 +92,7 @@ def _release_hold(snapshot: Any) -> None:
         hold.release()
 
 
-class FleetBackend(Backend, UpdatesInRotation):
+class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
     """``FleetBackend([LocalReplica(TorchBackend(m)), ...], strategy="rolling")``.
 
     ``pin_versions``: an episode stays on the version its first call got (the rolling
@@ -162,6 +163,7 @@ class FleetBackend(Backend, UpdatesInRotation):
         self.paused_replicas: set[str] = set()
         self._restarted: set[str] = set()
         self.tokenizer = replicas[0].tokenizer
+        self._asleep: dict[str, int] = {}  # replica -> sleep level
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -544,6 +546,101 @@ class FleetBackend(Backend, UpdatesInRotation):
     async def resume(self, policies: Mapping[str, ResumePolicy] | None = None) -> None:
         await asyncio.gather(
             *(self.resume_replica(n, policies) for n in list(self.paused_replicas))
+        )
+
+    # -- sleep / wake (colocated placement) --------------------------------------------------
+
+    @property
+    def asleep(self) -> int:
+        return max(self._asleep.values(), default=0)
+
+    async def sleep(
+        self,
+        level: int = 1,
+        *,
+        policy: ResumePolicy | None = None,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> SleepReport:
+        """Every live replica sleeps (in parallel); calls in flight stay where they are and
+        continue at wake.  The report sums the replicas'.  Raises ``BackendError`` when a
+        replica cannot (those that slept are woken again on their weights)."""
+        if self.asleep:
+            raise BackendError(f"the fleet sleeps already (level {self.asleep}); wake it first")
+        if self._update_lock.locked():
+            raise BackendError("a weight update is rolling through the fleet; sleep after it")
+        async with self._update_lock:
+            names = self._live()
+            got = await asyncio.gather(
+                *(self.replicas[n].sleep(level, policies) for n in names), return_exceptions=True
+            )
+            failed = [
+                (n, r) for n, r in zip(names, got, strict=True) if isinstance(r, BaseException)
+            ]
+            slept = [n for n, r in zip(names, got, strict=True) if not isinstance(r, BaseException)]
+            if failed:
+                for n in slept:
+                    with contextlib.suppress(Exception):
+                        await self.replicas[n].wake(fallback=True)
+                n, exc = failed[0]
+                raise BackendError(f"replica {n} cannot sleep: {exc}") from exc
+            reports = [r for r in got if isinstance(r, SleepReport)]
+            self._asleep = dict.fromkeys(names, level)
+            return SleepReport(
+                level=level,
+                version=self.policy_version,
+                freed_bytes=sum(r.freed_bytes for r in reports),
+                kv_bytes=sum(r.kv_bytes for r in reports),
+                weight_bytes=sum(r.weight_bytes for r in reports),
+                kept_bytes=sum(r.kept_bytes for r in reports),
+                parked=sum(r.parked for r in reports),
+                seconds=max((r.seconds for r in reports), default=0.0),
+            )
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        """Every sleeping replica wakes with ``update``.  One that refuses it wakes on its
+        last good weights and leaves the rotation (its calls move), as in ``update``; raises
+        ``WeightSyncError`` when none took it (then all still sleep, as they were)."""
+        if not self.asleep:
+            raise BackendError("the fleet is awake; wake() follows `await fleet.sleep()`")
+        async with self._update_lock:
+            names = list(self._asleep)
+            got = await asyncio.gather(
+                *(
+                    self.replicas[n].wake(update, fallback=fallback, policies=policies)
+                    for n in names
+                ),
+                return_exceptions=True,
+            )
+            ok = {n: r for n, r in zip(names, got, strict=True) if isinstance(r, WakeReport)}
+            bad = {n: r for n, r in zip(names, got, strict=True) if not isinstance(r, WakeReport)}
+            if bad and not ok and all(isinstance(r, WeightSyncError) for r in bad.values()):
+                raise WeightSyncError(f"no replica took update at wake: {bad}")
+            self._asleep = {}
+            for n, r in ok.items():
+                self.router.set_version(n, r.version)
+            for n, exc in bad.items():
+                logger.error("replica %s could not wake with the update: %s", n, exc)
+                with contextlib.suppress(Exception):
+                    await self.replicas[n].wake(fallback=True)
+                self._set_status(n, "failed")
+            self._notify()
+        for n in bad:
+            await self._evacuate(n)
+        reports = list(ok.values())
+        return WakeReport(
+            level=max((r.level for r in reports), default=0),
+            version=self.policy_version,
+            updated=any(r.updated for r in reports),
+            fallback=any(r.fallback for r in reports),
+            restored=sum(r.restored for r in reports),
+            seconds=max((r.seconds for r in reports), default=0.0),
+            failed={n: f"{type(e).__name__}: {e}" for n, e in bad.items()},
         )
 
     async def inflight_calls(self) -> dict[str, int]:

@@ -15,13 +15,14 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
 from agentroll.backends.base import GenerationChunk, GenerationRequest, ResumePolicy
 from agentroll.errors import BackendError, ConfigError, require
 from agentroll.fleet.replica import Replica, ReplicaDown
+from agentroll.types import SleepReport, WakeReport
 
 if TYPE_CHECKING:
     from agentroll.weights.update import WeightUpdate
@@ -213,6 +214,19 @@ class _ReplicaHost:
 
     async def swap(self) -> int:
         return int(await self._live().swap())
+
+    async def sleep(self, level: int, policies: Mapping[str, ResumePolicy] | None) -> Any:
+        return await self._live().sleep(level, policy="keep", policies=policies)
+
+    async def wake(
+        self,
+        update: WeightUpdate | None,
+        fallback: bool,
+        policies: Mapping[str, ResumePolicy] | None,
+    ) -> tuple[Any, int]:
+        backend = self._live()
+        report = await backend.wake(update, fallback=fallback, policies=policies)
+        return report, int(backend.policy_version)
 
     async def busy_seconds(self) -> float:
         return float(self._live().busy_seconds)
@@ -471,6 +485,27 @@ class RayReplica(Replica):
     async def swap(self) -> int:
         self._version = int(await self._call("swap"))
         return self._version
+
+    async def sleep(
+        self, level: int = 1, policies: Mapping[str, ResumePolicy] | None = None
+    ) -> SleepReport:
+        return cast(
+            SleepReport,
+            await self._call("sleep", level, None if policies is None else dict(policies)),
+        )
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        report, version = await self._call(
+            "wake", update, fallback, None if policies is None else dict(policies)
+        )
+        self._version = int(version)
+        return cast(WakeReport, report)
 
     async def busy_seconds(self) -> float:
         return float(await self._call("busy_seconds"))

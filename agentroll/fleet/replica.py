@@ -1,7 +1,7 @@
 """Replicas: one generation engine each, behind one async interface (``Replica``).
 
 Invariants: a replica's ``version`` is the version its next token is sampled with and
-changes only inside ``apply``/``swap``, while paused; streams follow the Backend chunk
+changes only inside ``apply``/``swap``/``wake``, while paused; streams follow the Backend chunk
 contract (agentroll.backends.base); ``busy_seconds`` only grows; a replica that raised
 ``ReplicaDown`` is never used again.
 """
@@ -20,11 +20,13 @@ from agentroll.backends.base import (
     ReportsInflight,
     ResumePolicy,
     SupportsAbort,
+    SupportsSleep,
     SupportsSnapshot,
     SupportsSnapshotMany,
     SupportsStaging,
 )
 from agentroll.errors import BackendError
+from agentroll.types import SleepReport, WakeReport
 
 if TYPE_CHECKING:
     from agentroll.chat import ChatTokenizer
@@ -125,6 +127,23 @@ class Replica(abc.ABC):
     async def swap(self) -> int:
         """Install the staged update at a token boundary; returns the new version."""
         raise BackendError(f"replica {self.name} cannot stage updates in the background")
+
+    async def sleep(
+        self, level: int = 1, policies: Mapping[str, ResumePolicy] | None = None
+    ) -> SleepReport:
+        """Release the engine's KV cache (level 1) and weights (level 2); see
+        ``SupportsSleep``."""
+        raise BackendError(f"replica {self.name} cannot sleep (its backend has no sleep mode)")
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        """Wake after ``sleep``, installing ``update``."""
+        raise BackendError(f"replica {self.name} cannot sleep (its backend has no sleep mode)")
 
     async def busy_seconds(self) -> float:
         """Wall time spent in forward passes so far."""
@@ -256,6 +275,28 @@ class LocalReplica(Replica):
             return await super().swap()
         self._version = int(await self.backend.swap())
         return self._version
+
+    async def sleep(
+        self, level: int = 1, policies: Mapping[str, ResumePolicy] | None = None
+    ) -> SleepReport:
+        self._check()
+        if not isinstance(self.backend, SupportsSleep):
+            return await super().sleep(level, policies)
+        return await self.backend.sleep(level, policy="keep", policies=policies)
+
+    async def wake(
+        self,
+        update: WeightUpdate | None = None,
+        *,
+        fallback: bool = False,
+        policies: Mapping[str, ResumePolicy] | None = None,
+    ) -> WakeReport:
+        self._check()
+        if not isinstance(self.backend, SupportsSleep):
+            return await super().wake(update, fallback=fallback, policies=policies)
+        report = await self.backend.wake(update, fallback=fallback, policies=policies)
+        self._version = self.backend.policy_version
+        return report
 
     async def busy_seconds(self) -> float:
         return float(self.backend.busy_seconds) if isinstance(self.backend, ReportsBusy) else 0.0

@@ -1,7 +1,7 @@
 """Learning-semantics checks (``agentroll validate``): each prints one ``check=`` line.
 
 One module per group of checks (``parity``: a backend against references; ``checkpoint``
-and ``fleet``: pauses and moves lose nothing; ``vllm``).  The product never imports them.
+and ``fleet``: pauses and moves lose nothing; ``placement``: sleep and wake; ``vllm``).  The product never imports them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         check_token_parity_migrate,
         check_token_parity_pause,
     )
+    from agentroll.validate.placement import check_sleep_wake_parity
 
     out = [
         asyncio.run(check_token_parity_pause(model, device=device)),
@@ -34,6 +35,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         check_episode_checkpoint_parity(model, device=device),
         asyncio.run(check_provenance(model, device=device)),
         asyncio.run(check_rolling_versions(model, device=device)),
+        asyncio.run(check_sleep_wake_parity(model, device=device)),
     ]
     for r in out:
         if not r.passed:

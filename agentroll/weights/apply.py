@@ -105,10 +105,18 @@ class WeightStore:
     leaves version and weights unchanged.
     """
 
-    def __init__(self, tensors: MutableMapping[str, torch.Tensor], *, version: int = 0) -> None:
+    def __init__(
+        self,
+        tensors: MutableMapping[str, torch.Tensor],
+        *,
+        version: int = 0,
+        checksums: Mapping[str, str] | None = None,
+    ) -> None:
+        """``checksums``, when given, are trusted as those of ``tensors`` (weights parked
+        with theirs and loaded back); otherwise they are computed when first needed."""
         self.tensors = tensors
         self.version = version
-        self._checksums: dict[str, str] | None = None
+        self._checksums: dict[str, str] | None = None if checksums is None else dict(checksums)
 
     @property
     def checksums(self) -> dict[str, str]:

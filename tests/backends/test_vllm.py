@@ -223,6 +223,23 @@ async def test_cross_backend_parity_with_the_builtin_engine(
     assert result.figures["greedy_equal"], result.line()
 
 
+async def test_sleep_is_refused_with_the_reason_on_the_cpu_build(backend: VLLMBackend) -> None:
+    from agentroll.backends.base import SupportsSleep
+    from agentroll.backends.vllm import sleep_mode_unavailable
+
+    assert isinstance(backend, SupportsSleep)
+    why = sleep_mode_unavailable()
+    if why is None:
+        pytest.skip("this platform has vLLM's sleep mode (see test_vllm_gpu.py)")
+    assert "sleep mode" in why and "torch backend" in why
+    with pytest.raises(BackendError, match="sleep mode is not available"):
+        await backend.sleep(1)
+    assert backend.asleep == 0
+    assert len((await run(backend, "after-sleep", max_tokens=4)).ids) == 4
+    with pytest.raises(BackendError, match="not available"):
+        await VLLMBackend(backend.model_dir, sleep_mode=True).start()  # refused before loading
+
+
 async def test_a_consumer_that_leaves_aborts_its_request(backend: VLLMBackend) -> None:
     req = GenerationRequest(
         request_id="leaver",

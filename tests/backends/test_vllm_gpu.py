@@ -77,3 +77,19 @@ async def test_reload_updates_are_verified_on_every_parameter(tiny_model: Path) 
 async def test_nccl_transfers(tiny_model: Path, transfer: str) -> None:
     async with _backend(tiny_model, transfer=transfer, transfer_device="cuda:1") as backend:
         await _update_checks(backend, SyntheticTrainer(tiny_model, fraction=0.05, seed=4))
+
+
+@pytest.mark.gpu
+async def test_sleep_mode_frees_memory_and_wakes_on_an_update(tiny_model: Path) -> None:
+    """vLLM's own sleep mode: both levels free device memory; after level 2 the verified
+    host weights are reloaded and the update applied; requests in flight finish."""
+    trainer = SyntheticTrainer(tiny_model, fraction=0.05, seed=3)
+    async with _backend(tiny_model, sleep_mode=True) as backend:
+        for level in (1, 2):
+            report = await backend.sleep(level)
+            assert backend.asleep == level and report.freed_bytes > 0, report
+            print(f"vllm_sleep level={level} freed_mb={report.freed_bytes / 2**20:.1f}")
+            wake = await backend.wake(trainer.step())
+            assert wake.updated and backend.policy_version == wake.version
+            got = await consume(backend, request(f"after-{level}"))
+            assert len(got.ids) == 48

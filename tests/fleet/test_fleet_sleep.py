@@ -1,0 +1,79 @@
+"""A fleet's sleep and wake, with replicas in this process and in Ray actors: calls in flight
+survive, the update installed at wake reaches every replica, a refused one changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentroll.backends.base import GenerationRequest, SamplingParams
+from agentroll.errors import BackendError, WeightSyncError
+from agentroll.fleet import FleetBackend
+from agentroll.testing import SyntheticTrainer
+from agentroll.validate.common import collect_stream
+
+KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
+ENGINE = {"kv_cache_mb": 4, "max_num_seqs": 16}
+
+
+def _request(i: int) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"r{i}",
+        prompt_ids=[5, 6, 7, 8 + i],
+        sampling=SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=i),
+        episode_id=f"e{i}",
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_fleet_sleeps_and_wakes_with_the_next_version(
+    kind: str, make_replicas: Any, tiny_model: Path
+) -> None:
+    update = SyntheticTrainer(tiny_model).step()
+    replicas = await make_replicas(kind, 2, tiny_model, **ENGINE)
+    async with FleetBackend(replicas) as fleet:
+        started = asyncio.Event()
+        count = 0
+
+        async def on_token(n: int) -> None:
+            nonlocal count
+            count += 1
+            if count >= 8:
+                started.set()
+
+        tasks = [
+            asyncio.create_task(collect_stream(fleet, _request(i), on_token)) for i in range(4)
+        ]
+        await started.wait()
+        report = await fleet.sleep(2)
+        assert fleet.asleep == 2 and report.freed_bytes > 0 and report.parked >= 1
+        with pytest.raises(BackendError, match="sleeps already"):
+            await fleet.sleep(1)
+        wake = await fleet.wake(update)
+        assert wake.updated and not wake.failed and fleet.policy_version == update.version
+        assert all(r.version == update.version for r in replicas)
+        results = await asyncio.gather(*tasks)
+    for ids, _, versions in results:
+        assert len(ids) == 32
+        assert versions[-1][0] == update.version  # finished on the new weights
+        assert all(kv <= pv for pv, kv in versions)
+
+
+async def test_a_refused_update_at_wake_leaves_the_fleet_asleep(
+    make_replicas: Any, tiny_model: Path
+) -> None:
+    trainer = SyntheticTrainer(tiny_model)
+    trainer.step()
+    second = trainer.step()  # based on version 1: the replicas are at 0
+    replicas = await make_replicas("local", 2, tiny_model, **ENGINE)
+    async with FleetBackend(replicas) as fleet:
+        await fleet.sleep(1)
+        with pytest.raises(WeightSyncError, match="no replica took"):
+            await fleet.wake(second)
+        assert fleet.asleep == 1
+        await fleet.wake()
+        ids, _, _ = await collect_stream(fleet, _request(0))
+        assert len(ids) == 32 and fleet.policy_version == 0
