@@ -7,8 +7,8 @@
 #      `bench vllm` and the vllm-marked tests (in-process and OpenAI-server backends), then
 #      the CUDA-only vLLM tests: full served-weight verification, and the NCCL weight
 #      transfers when there are two GPUs (skipped, and said so, on one), and vLLM's sleep mode;
-#   3. layout conversion from FSDP2 shards over NCCL (two processes, one GPU each when there
-#      are two, else both on one).
+#   3. layout conversion from FSDP2 shards over NCCL (two processes, one GPU each; skipped,
+#      and said so, on one GPU).
 # Every result line goes to gpu-results.txt (override with GPU_RESULTS=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,4 +33,10 @@ AGENTROLL_REQUIRE=vllm .venv/bin/pytest -q -m vllm tests/backends 2>&1 | tail -n
 # NCCL transfers (nccl, sparse_nccl: marker gpu2, they need a second GPU for the sender)
 AGENTROLL_REQUIRE=gpu .venv/bin/pytest -q -rs -m "gpu or gpu2" tests/backends/test_vllm_gpu.py 2>&1 \
     | tail -n 6 | tee -a "$out"
+echo "==> layout conversion from FSDP2 shards over NCCL" | tee -a "$out"
+if [ "$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    .venv/bin/python -c "from agentroll.model.tiny import create_tiny; from agentroll.validate.layout import check_layout_roundtrip as c; import tempfile, pathlib; m = create_tiny(pathlib.Path(tempfile.mkdtemp()) / 'm'); print(c(m, device='cuda').line())" 2>&1 | tail -n 1 | tee -a "$out"
+else
+    echo "layout_roundtrip over NCCL needs two GPUs (one per rank): skipped; the gloo check ran in validate" | tee -a "$out"
+fi
 echo "==> results in $out"

@@ -13,10 +13,20 @@ from pathlib import Path
 from agentroll.validate.common import CheckResult
 
 
+def _layout_device(device: str) -> str:
+    """NCCL needs one GPU per rank: on a single GPU the two ranks convert over gloo."""
+    if device == "cuda":
+        import torch
+
+        return "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    return device
+
+
 def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
     """All checks, in order, with the engine on ``device``."""
     from agentroll.validate.checkpoint import check_episode_checkpoint_parity
     from agentroll.validate.fleet import check_provenance, check_rolling_versions
+    from agentroll.validate.layout import check_layout_roundtrip
     from agentroll.validate.parity import (
         check_batch_invariance,
         check_recompute_rescore,
@@ -36,6 +46,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         asyncio.run(check_provenance(model, device=device)),
         asyncio.run(check_rolling_versions(model, device=device)),
         asyncio.run(check_sleep_wake_parity(model, device=device)),
+        check_layout_roundtrip(model, device=_layout_device(device)),
     ]
     for r in out:
         if not r.passed:
