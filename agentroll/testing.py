@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentroll.backends.mock import MockBackend, MockResponse
+from agentroll.env import Environment, EpisodeState
 from agentroll.sandbox.base import Sandbox, SandboxConfig
-from agentroll.types import ExecResult
+from agentroll.types import ExecResult, Message, Task, Trajectory
 
 ExecHandler = Callable[[str | list[str]], ExecResult]
 
@@ -82,7 +83,7 @@ class FakeSandbox(Sandbox):
         self.closed = True
 
 
-__all__ = ["FakeSandbox", "MockBackend", "MockResponse"]
+__all__ = ["LONG_TAIL_STOP_IDS", "FakeSandbox", "LongTail", "MockBackend", "MockResponse"]
 
 
 class SyntheticTrainer:
@@ -114,3 +115,48 @@ class SyntheticTrainer:
             mask = torch.rand(t.shape, generator=self._gen) < self.fraction
             t.add_(mask * torch.randn(t.shape, generator=self._gen) * 0.02)
         return self.exporter.export()
+
+
+#: stop ids for ``LongTail`` on the tiny model: a twelfth of its 1024 ids, so a turn ends
+#: after about 12 sampled tokens (geometric), never on the token budget
+LONG_TAIL_STOP_IDS = tuple(range(11, 1024, 12))
+
+
+class LongTail(Environment):
+    """A multi-turn environment with long-tailed episode lengths, for placement benchmarks
+    and checks.  No tools: the environment answers ``go on`` until the task's turns are
+    used; task ``i`` has ``long_turns`` turns if ``i % every == 0``, else 1 (so some
+    episodes are ``long_turns`` times the median).  Reward: 1 for an even number of ``a``
+    in the replies (random on a random model: GRPO groups get non-zero advantages)."""
+
+    system_prompt = "Write a few words each turn."
+    max_turns = 64
+
+    def __init__(self, num_tasks: int = 32, long_turns: int = 10, every: int = 8) -> None:
+        self.num_tasks, self.long_turns, self.every = num_tasks, long_turns, every
+
+    def tasks(self) -> list[Task]:
+        return [
+            Task(
+                id=f"tail-{i}",
+                data={
+                    "prompt": f"task {i}",
+                    "turns": self.long_turns if i % self.every == 0 else 1,
+                },
+            )
+            for i in range(self.num_tasks)
+        ]
+
+    async def reset(self, task: Task, *, seed: int) -> list[Message]:
+        self.left = int(task.data["turns"])
+        return await super().reset(task, seed=seed)
+
+    async def env_response(
+        self, messages: list[Message], state: EpisodeState
+    ) -> list[Message] | None:
+        self.left -= 1
+        return None if self.left <= 0 else [Message(role="user", content="go on")]
+
+    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+        text = "".join(m.content for m in trajectory.messages if m.role == "assistant")
+        return float(text.count("a") % 2 == 0)

@@ -41,6 +41,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.gateway",
         "gateway calls/s and server CPU per call, load from a separate process",
     ),
+    "placement": (
+        "agentroll.bench.placement",
+        "separate vs colocated (waiting, or partial rollouts): steps/s, tail wait, sleep",
+    ),
     "vllm": (
         "agentroll.bench.vllm",
         "vllm backend tokens/s vs AsyncLLM.generate directly",

@@ -204,6 +204,11 @@ class RolloutEngine(EpisodeLoop):
         return views
 
     @property
+    def live_episodes(self) -> int:
+        """Episodes running now (started, not finished)."""
+        return len(self._live)
+
+    @property
     def paused(self) -> bool:
         return self.pauses.paused
 

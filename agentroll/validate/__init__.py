@@ -34,7 +34,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         check_token_parity_migrate,
         check_token_parity_pause,
     )
-    from agentroll.validate.placement import check_sleep_wake_parity
+    from agentroll.validate.placement import check_colocated_provenance, check_sleep_wake_parity
 
     out = [
         asyncio.run(check_token_parity_pause(model, device=device)),
@@ -46,6 +46,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         asyncio.run(check_provenance(model, device=device)),
         asyncio.run(check_rolling_versions(model, device=device)),
         asyncio.run(check_sleep_wake_parity(model, device=device)),
+        asyncio.run(check_colocated_provenance(model, device=device)),
         check_layout_roundtrip(model, device=_layout_device(device)),
     ]
     for r in out:

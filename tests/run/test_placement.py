@@ -1,0 +1,117 @@
+"""The colocated and separate placements on the tiny model: provenance across phase
+switches, partial rollouts against waiting for the longest trajectory, a trainer that never
+delivers, and configuration errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentroll.backends.mock import MockBackend
+from agentroll.backends.torch import TorchBackend
+from agentroll.errors import ConfigError
+from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+from agentroll.run.placement import PlacementConfig, run_placement
+from agentroll.testing import LONG_TAIL_STOP_IDS, LongTail
+from agentroll.types import SamplingParams, Trajectory
+from agentroll.validate.placement import check_colocated_provenance
+from agentroll.weights.exporter import WeightExporter
+
+
+async def test_check_colocated_provenance(tiny_model: Path) -> None:
+    r = await check_colocated_provenance(tiny_model)
+    assert r.passed, r.line()
+
+
+def _config() -> RolloutConfig:
+    return RolloutConfig(
+        concurrency=8,
+        samples_per_task=2,
+        sampling=SamplingParams(
+            temperature=1.0, max_tokens=96, stop_token_ids=LONG_TAIL_STOP_IDS, ignore_eos=True
+        ),
+        progress="off",
+    )
+
+
+async def _run(
+    tiny_model: Path, placement: PlacementConfig, train: Any = None, steps: int = 4
+) -> Any:
+    async with TorchBackend(tiny_model, kv_cache_mb=16) as backend:
+        live = {n: t.detach().clone() for n, t in backend.engine.runner.state_dict().items()}
+        exporter = WeightExporter(lambda: live)
+
+        def default_train(batch: list[Trajectory], base: int) -> Any:
+            for t in live.values():
+                t.mul_(1.0001)
+            return exporter.export()
+
+        env = LongTail(long_turns=8, every=4)
+        async with RolloutEngine(backend, env, _config()) as engine:
+            return await run_placement(
+                engine,
+                train or default_train,
+                env.tasks(),
+                steps=steps,
+                batch_groups=4,
+                config=placement,
+            ), backend.policy_version
+
+
+async def test_partial_rollouts_remove_the_tail_wait(tiny_model: Path) -> None:
+    wait, _ = await _run(tiny_model, PlacementConfig(mode="colocated", partial_rollouts=False))
+    partial, version = await _run(tiny_model, PlacementConfig(mode="colocated"))
+    assert version == 4 and len(partial.switches) == 4
+    assert wait.tail_wait_s > 0 and partial.tail_wait_s <= 0.2 * wait.tail_wait_s
+    # waiting: every switch finds no episode in flight; partial: stragglers are parked
+    assert all(s.parked == 0 for s in wait.switches)
+    assert sum(s.parked for s in partial.switches) > 0
+    assert partial.restarted == 0 and partial.failed == 0 and wait.failed == 0
+
+
+async def test_separate_pools_sync_after_each_step(tiny_model: Path) -> None:
+    stats, version = await _run(tiny_model, PlacementConfig(mode="separate"))
+    assert stats.steps == 4 and version == 4 and not stats.switches
+    assert stats.trainer_busy_s > 0
+
+
+async def test_a_trainer_that_never_delivers_wakes_on_the_last_good_weights(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def hung(batch: list[Trajectory], base: int) -> Any:
+        import time
+
+        time.sleep(1.0)  # longer than wake_timeout: the trainer died or hangs
+        raise RuntimeError("never delivered")
+
+    config = PlacementConfig(mode="colocated", sleep_level=2, wake_timeout=0.2)
+    stats, version = await _run(tiny_model, config, train=hung, steps=2)
+    assert version == 0 and [s.fallback for s in stats.switches] == [True, True]
+    assert "last good weights" in caplog.text
+    assert stats.failed == 0
+
+
+async def test_colocated_needs_a_backend_that_sleeps(tok: Any) -> None:
+    backend = MockBackend(lambda req: "hi", tokenizer=tok)
+    env = LongTail()
+    async with RolloutEngine(backend, env, RolloutConfig(progress="off")) as engine:
+        with pytest.raises(ConfigError, match="needs a backend that can sleep"):
+            await run_placement(
+                engine,
+                lambda b, v: None,
+                env.tasks(),
+                steps=1,
+                batch_groups=1,
+                config=PlacementConfig(mode="colocated"),
+            )
+
+
+def test_placement_config_says_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        PlacementConfig(mode="mixed")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="sleep_level"):
+        PlacementConfig(sleep_level=3)
+    with pytest.raises(ConfigError, match="wake_timeout"):
+        PlacementConfig(wake_timeout=0)
