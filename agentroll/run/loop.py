@@ -289,6 +289,105 @@ async def train(
     return status
 
 
+async def train_colocated(
+    recipe: Recipe, *, model_dir: Path, run_dir: Path, progress: ProgressMode = "auto"
+) -> dict[str, Any]:
+    """``[placement] mode = "colocated"``: one process alternates rollout phases and training
+    steps on the same cores (``agentroll.run.placement``); returns what it measured.  The
+    trajectories go straight to the trainer (no spool: episodes still running at the end
+    are cancelled, and counted, not lost after being made durable)."""
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.rollout.pause import as_policy_fn
+    from agentroll.run.build import build_backend, build_environment, resume_policy, rollout_config
+    from agentroll.run.placement import PlacementConfig, Switch, run_placement
+
+    p = recipe.placement
+    trainer, algorithm = build_trainer(recipe, model_dir)
+    metrics = MetricsWriter(run_dir, "colocated")
+    bar = Progress("training steps", recipe.run.steps, mode=progress)
+    offset = time.time() - time.perf_counter()  # switch times are perf_counter seconds
+    last = {"woke": time.time()}
+
+    def train_step(batch: list[Trajectory], base: int) -> Any:
+        trainer.step(algorithm.collate(batch, pad_id=0))
+        return trainer.export(base)
+
+    def on_step(step: int, batch: list[Trajectory], stats: Any) -> None:
+        metrics.event(
+            "step",
+            step=step,
+            version=trainer.version,
+            reward_mean=sum(t.reward for t in batch) / max(1, len(batch)),
+            reward_std=0.0,
+            trajectories=len(batch),
+            tokens=sum(t.num_generated for t in batch),
+            staleness=staleness_of(batch, step),
+            kv_lagged_tokens=0,
+            failed=sum(t.status == "failed" for t in batch),
+        )
+        bar.advance()
+
+    def on_switch(s: Switch) -> None:
+        slept, woke = s.slept_at + offset, s.woke_at + offset
+        metrics.span_at("rollout.busy", last["woke"], slept)
+        metrics.span_at("trainer.idle", last["woke"], slept)
+        metrics.span_at("rollout.idle", slept, woke, phase="sleep")
+        metrics.span_at("trainer.busy", slept, woke, step=s.step)
+        metrics.event(
+            "switch",
+            step=s.step,
+            version=s.version,
+            freed_mb=s.freed_bytes / 2**20,
+            rss_freed_mb=s.rss_freed_bytes / 2**20,
+            wake_ms=s.wake_ms,
+            parked=s.parked,
+            fallback=s.fallback,
+        )
+        last["woke"] = woke
+
+    config = PlacementConfig(
+        mode="colocated",
+        partial_rollouts=p.partial_rollouts,
+        sleep_level=p.sleep_level,
+        wake_timeout=p.wake_timeout,
+        max_staleness=recipe.buffer.max_staleness
+        if recipe.buffer.max_staleness is not None
+        else 1 << 30,
+    )
+    env = build_environment(recipe)
+    batch_groups = recipe.trainer.batch_size // recipe.rollout.samples_per_task
+    try:
+        backend = build_backend(recipe, model_dir)
+        async with backend, RolloutEngine(backend, env, rollout_config(recipe)) as engine:
+            stats = await run_placement(
+                engine,
+                train_step,
+                list(env.tasks()),
+                steps=recipe.run.steps,
+                batch_groups=batch_groups,
+                config=config,
+                policy=as_policy_fn(resume_policy(recipe.sync)),
+                on_step=on_step,
+                on_switch=on_switch,
+            )
+        metrics.counter("episodes", stats.trained + stats.dropped_stale)
+        metrics.counter("episodes_failed", stats.failed)
+        metrics.counter("episodes_restarted", stats.restarted)
+        metrics.counter("dropped_stale", stats.dropped_stale)
+        metrics.counter("lost", 0)
+    finally:
+        bar.close()
+        metrics.close()
+    return {
+        "placement": "colocated",
+        "partial_rollouts": p.partial_rollouts,
+        "steps": stats.steps,
+        "tail_wait_s": stats.tail_wait_s,
+        "switches": len(stats.switches),
+        "fallbacks": sum(s.fallback for s in stats.switches),
+    }
+
+
 def lost_count(status: dict[str, Any]) -> int:
     """Trajectories the worker made durable that neither reached the trainer (acked), were
     dropped as stale (counted), nor are still in its spool (queued or leased, or records it
@@ -320,6 +419,7 @@ async def run_recipe_async(
         sync_interval=recipe.sync.interval,
         strategy=recipe.sync.strategy,
         policy=recipe.sync.policy,
+        placement=recipe.placement.mode,
     )
     print(f"run directory: {out}", file=sys.stderr)
     if recipe.trainer.threads is not None:
@@ -333,6 +433,14 @@ async def run_recipe_async(
     if recipe.warmup.steps:
         demos = await demonstrations(recipe, model_dir)
         model_dir = await asyncio.to_thread(warmup, recipe, model_dir, out, demos)
+    if recipe.placement.mode == "colocated":
+        async with asyncio.timeout(recipe.run.timeout):
+            status = await train_colocated(
+                recipe, model_dir=model_dir, run_dir=out, progress=progress
+            )
+        metrics.event("run", event="end", worker_status=status, worker_exit_code=0)
+        metrics.close()
+        return out
     token = secrets.token_hex(16)
     worker = WorkerProcess(resolved_recipe, model_dir, out, token, recipe.stream.token_env)
     try:

@@ -153,6 +153,7 @@ async def run_placement(
     config: PlacementConfig,
     policy: PolicyFn | None = None,
     on_step: Callable[[int, list[Trajectory], PlacementStats], None] | None = None,
+    on_switch: Callable[[Switch], None] | None = None,
 ) -> PlacementStats:
     """Train ``steps`` batches of ``batch_groups`` groups on the episodes of ``engine``.
 
@@ -161,7 +162,9 @@ async def run_placement(
     phase admitted exactly that batch and waits for its last episode), the engine sleeps,
     ``train`` runs, the engine wakes on the update and the parked episodes go first.
     Separate: episodes never stop; each update is synced in with a pause (``policy``).
-    Returns the measurements (and the trajectories trained on, for provenance checks)."""
+    ``on_step(step, batch, stats)`` follows each step, ``on_switch(switch)`` each colocated
+    switch (times on ``time.perf_counter``).  Returns the measurements (and the trajectories
+    trained on, for provenance checks)."""
     backend = engine.backend
     colocated = config.mode == "colocated"
     if colocated and not isinstance(backend, SupportsSleep):
@@ -195,6 +198,8 @@ async def run_placement(
                     version = await _switch(
                         engine, train, batch, version, step, config, choose, stats
                     )
+                    if on_switch is not None:
+                        on_switch(stats.switches[-1])
                     phases.next_phase()
                     tail.phase_begins()
                 else:

@@ -359,6 +359,25 @@ class GatewaySection(_Section, frozen=True):
         TOOL_PARSERS.check(self.tool_parser, field="gateway.tool_parser")
 
 
+class PlacementSection(_Section, frozen=True):
+    """Where rollout and training run: ``separate`` (a worker process generates while this
+    one trains) or ``colocated`` (one process alternates: the engine sleeps at ``sleep_level``
+    while the trainer steps; ``partial_rollouts`` parks the stragglers at a switch instead of
+    waiting for them; ``wake_timeout``: seconds to wait for the trainer's weights before the
+    engine wakes on its last good ones)."""
+
+    name_in_toml = "placement"
+    bounds = {
+        "sleep_level": Bound(1, 2, "(1: KV cache, 2: KV cache and weights)"),
+        "wake_timeout": Bound(0.0, 86_400.0, "seconds", low_open=True),
+    }
+
+    mode: Literal["separate", "colocated"] = "separate"
+    partial_rollouts: bool = True
+    sleep_level: int = 1
+    wake_timeout: float = 600.0
+
+
 class TrainerSection(_Section, frozen=True):
     name_in_toml = "trainer"
     bounds = {  # as GRPOConfig's, plus upper ends
@@ -404,6 +423,7 @@ class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     stream: StreamSection = StreamSection()
     trainer: TrainerSection = TrainerSection()
     gateway: GatewaySection = GatewaySection()
+    placement: PlacementSection = PlacementSection()
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [

@@ -115,3 +115,44 @@ def test_placement_config_says_what_to_change() -> None:
         PlacementConfig(sleep_level=3)
     with pytest.raises(ConfigError, match="wake_timeout"):
         PlacementConfig(wake_timeout=0)
+
+
+@pytest.mark.slow
+def test_a_colocated_recipe_runs_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], small_fleet_toml: str
+) -> None:
+    import json
+    import re
+
+    from agentroll.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        f"""
+[run]
+name = "colocated"
+steps = 3
+timeout = 300.0
+[environment]
+name = "calculator"
+kwargs = {{ num_tasks = 64, max_operand = 9, traces = "{repo}/examples/data/calculator_traces.jsonl" }}
+[placement]
+mode = "colocated"
+sleep_level = 2
+"""
+        + small_fleet_toml
+    )
+    run_dir = tmp_path / "run"
+    assert main(["run", str(recipe), "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"^report steps=(\d+) ", out, re.M)
+    assert line is not None and line.group(1) == "3", out
+    records = [json.loads(x) for x in (run_dir / "colocated.jsonl").read_text().splitlines()]
+    switches = [r for r in records if r["kind"] == "switch"]
+    assert [s["version"] for s in switches] == [1, 2, 3] and not any(
+        s["fallback"] for s in switches
+    )
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(int(k) <= 1 for s in steps for k in s["staleness"])  # buffer.max_staleness
