@@ -116,6 +116,9 @@ BAD: list[tuple[str, str, str]] = [
     ("[gateway]\nidle_timeout = 0", "gateway.idle_timeout", "0"),
     ("[gateway]\nidle_timeout = nan", "gateway.idle_timeout", "nan"),
     ("[gateway]\nmax_tokens = 0", "gateway.max_tokens", "0"),
+    ("[placement]\nsleep_level = 3", "placement.sleep_level", "3"),
+    ("[placement]\nwake_timeout = 0", "placement.wake_timeout", "0"),
+    ("[placement]\nwake_timeout = inf", "placement.wake_timeout", "inf"),
     ("[stream]\ndropped_max_records = -1", "stream.dropped_max_records", "-1"),
     (
         "[stream]\ndropped_max_bytes = 1000000000000000",
