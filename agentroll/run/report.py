@@ -86,6 +86,7 @@ class Report(msgspec.Struct, kw_only=True):
     kv_lagged_tokens: int
     kv_lagged_fraction: float | None
     skipped_lines: int
+    placement: str = "separate"  # colocated: rollout and training take turns on one process
 
     def key_line(self) -> str:
         """The one line a note quotes (shape fixed; unmeasured figures print ``unknown``)."""
@@ -309,6 +310,7 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
         if trajectories
         else None,
         max_staleness=max_staleness if isinstance(max_staleness, int) else None,
+        placement=str(trace.run_meta().get("placement") or "separate"),
         rollout_busy_fraction=phase_mean("rollout", "busy_fraction"),
         rollout_idle_fraction=phase_mean("rollout", "idle_fraction"),
         trainer_busy_fraction=phase_mean("trainer", "busy_fraction"),
@@ -354,7 +356,14 @@ def advice(report: Report) -> list[str]:
         )
     else:
         nums = f"rollout idle {ri:.0%}, trainer idle {ti:.0%}"
-        if ri >= IDLE_HIGH and ti < IDLE_LOW:
+        if report.placement == "colocated":
+            out.append(
+                f"{nums}: colocated, rollout and training take turns on the same cores, so "
+                "each idles while the other works; what is neither is phase switches (see "
+                "wake_ms in colocated.jsonl) and the tail of each rollout phase (turn on "
+                "placement.partial_rollouts); separate pools run both at once"
+            )
+        elif ri >= IDLE_HIGH and ti < IDLE_LOW:
             out.append(
                 f"{nums}: the trainer is the bottleneck; move capacity to the trainer (more "
                 "trainer devices, fewer rollout replicas) or raise max_staleness so rollouts "

@@ -22,7 +22,10 @@ async def test_check_sleep_wake_parity(tiny_model: Path) -> None:
     assert r.passed, r.line()
 
 
-def _request(rid: str, max_tokens: int = 40, seed: int = 5) -> GenerationRequest:
+LONG = 160  # tokens of a request slept mid-generation: far more than it has by then
+
+
+def _request(rid: str, max_tokens: int = LONG, seed: int = 5) -> GenerationRequest:
     return GenerationRequest(
         request_id=rid,
         prompt_ids=[5, 6, 7, 8, 9],
@@ -103,7 +106,7 @@ async def test_keep_across_a_delta_update_at_wake_keeps_old_kv_versions(tiny_mod
         wake = await backend.wake(update)
         assert wake.version == 1 and wake.updated and wake.restored == 1
         ids, _, versions = await task
-        assert len(ids) == 40
+        assert len(ids) == LONG
         split = next(i for i, (p, _) in enumerate(versions) if p == 1)
         assert split >= 10
         assert all(v == (0, 0) for v in versions[:split])
@@ -210,5 +213,5 @@ async def test_a_parked_request_can_be_aborted_and_snapshotted(tiny_model: Path)
         await backend.abort("a")
         await backend.wake()
         ids, _, _ = await task
-        assert len(ids) < 40  # ended by the abort
-        assert len((await other)[0]) == 40
+        assert len(ids) < LONG  # ended by the abort
+        assert len((await other)[0]) == LONG

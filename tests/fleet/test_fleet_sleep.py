@@ -58,8 +58,10 @@ async def test_fleet_sleeps_and_wakes_with_the_next_version(
         results = await asyncio.gather(*tasks)
     for ids, _, versions in results:
         assert len(ids) == 32
-        assert versions[-1][0] == update.version  # finished on the new weights
         assert all(kv <= pv for pv, kv in versions)
+    # every request parked by the sleep samples again after it: on the new weights
+    on_new = sum(versions[-1][0] == update.version for _, _, versions in results)
+    assert on_new >= report.parked
 
 
 async def test_a_refused_update_at_wake_leaves_the_fleet_asleep(

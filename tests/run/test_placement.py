@@ -156,3 +156,4 @@ sleep_level = 2
     steps = [r for r in records if r["kind"] == "step"]
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert all(int(k) <= 1 for s in steps for k in s["staleness"])  # buffer.max_staleness
+    assert "colocated, rollout and training take turns" in (run_dir / "report.txt").read_text()
