@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import msgspec
 
+from agentroll.errors import BackendError
 from agentroll.types import (
     FinishReason,
     ResumePolicy,
@@ -165,6 +166,31 @@ class SupportsSleep(Protocol):
         fallback: bool = False,
         policies: Mapping[str, ResumePolicy] | None = None,
     ) -> WakeReport: ...
+
+
+def check_sleep(asleep: int, level: int, policy: ResumePolicy | None = None) -> None:
+    """Refuse a ``sleep(level, policy=...)`` call on a backend at sleep level ``asleep``:
+    ``BackendError`` when asleep already, ``ValueError`` for a bad level or policy."""
+    if asleep:
+        raise BackendError(
+            f"the backend sleeps already (level {asleep}); `await backend.wake()` first"
+        )
+    if level not in (1, 2):
+        raise ValueError(f"sleep level {level}: use 1 (KV cache) or 2 (KV cache and weights)")
+    if policy is not None and policy not in ("keep", "recompute", "restart"):
+        raise ValueError(f"unknown resume policy {policy!r}; use keep, recompute or restart")
+
+
+def check_wake(asleep: int, update: WeightUpdate | None, fallback: bool) -> None:
+    """Refuse (``BackendError``) a ``wake(update, fallback=...)`` call on a backend at sleep
+    level ``asleep``: when awake, or after level 2 without an update or ``fallback``."""
+    if not asleep:
+        raise BackendError("the backend is awake; wake() follows `await backend.sleep()`")
+    if asleep == 2 and update is None and not fallback:
+        raise BackendError(
+            "after sleep(2) the weights are released: `wake(update)` installs the next "
+            "version, `wake(fallback=True)` the last good one"
+        )
 
 
 @runtime_checkable

@@ -30,6 +30,8 @@ from agentroll.backends.base import (
     SupportsSleep,
     SupportsSnapshotMany,
     SupportsStaging,
+    check_sleep,
+    check_wake,
 )
 from agentroll.chat import ChatTokenizer
 from agentroll.errors import BackendError
@@ -527,18 +529,11 @@ class TorchBackend(
 
         Raises ``BackendError``, changing nothing (a pause it made is undone), when asleep
         already, during a weight update, or while KV is held for requests moving away."""
-        if self.asleep:
-            raise BackendError(
-                f"the backend sleeps already (level {self.asleep}); `await backend.wake()` first"
-            )
+        check_sleep(self.asleep, level, policy)
         if self._updating or self._staged is not None:
             raise BackendError(
                 "a weight update is in progress on this backend; sleep once it has returned"
             )
-        if level not in (1, 2):
-            raise ValueError(f"sleep level {level}: use 1 (KV cache) or 2 (KV cache and weights)")
-        if policy is not None and policy not in ("keep", "recompute", "restart"):
-            raise ValueError(f"unknown resume policy {policy!r}; use keep, recompute or restart")
         was_paused = self._paused
         if not was_paused:
             await self.pause(policy or "keep")
@@ -579,13 +574,7 @@ class TorchBackend(
         second ``wake`` (another update, or ``fallback``) may follow."""
         from agentroll.errors import WeightSyncError
 
-        if not self.asleep:
-            raise BackendError("the backend is awake; wake() follows `await backend.sleep()`")
-        if self.asleep == 2 and update is None and not fallback:
-            raise BackendError(
-                "after sleep(2) the weights are released: `wake(update)` installs the next "
-                "version, `wake(fallback=True)` the last good one"
-            )
+        check_wake(self.asleep, update, fallback)
         loop = asyncio.get_running_loop()
         try:
             with self._update():

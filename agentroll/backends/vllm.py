@@ -26,6 +26,8 @@ from agentroll.backends.base import (
     SamplingParams,
     SupportsSleep,
     SupportsStaging,
+    check_sleep,
+    check_wake,
 )
 from agentroll.errors import BackendError, WeightSyncError
 from agentroll.types import SleepReport, WakeReport
@@ -429,12 +431,9 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging, SupportsSleep):
             reason = "start the vllm backend with sleep_mode=True to use sleep()"
         if reason is not None:
             raise BackendError(reason)
-        if self._asleep:
-            raise BackendError(f"the backend sleeps already (level {self._asleep}); wake first")
+        check_sleep(self._asleep, level, policy)
         if self._staged is not None:
             raise BackendError("a weight update is staged; swap it before sleeping")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level {level}: use 1 (KV cache) or 2 (KV cache and weights)")
         t0 = time.perf_counter()
         self._sleep_paused = self._paused
         # the KV goes with the cache: every request in flight resumes by re-prefilling
@@ -467,13 +466,7 @@ class VLLMBackend(CheckedBackend, Backend, SupportsStaging, SupportsSleep):
         raises ``WeightSyncError`` with vLLM awake, paused, on the last good weights."""
         import time
 
-        if not self._asleep:
-            raise BackendError("the backend is awake; wake() follows `await backend.sleep()`")
-        if self._asleep == 2 and update is None and not fallback:
-            raise BackendError(
-                "after sleep(2) the weights are discarded: `wake(update)` installs the next "
-                "version, `wake(fallback=True)` the last good one"
-            )
+        check_wake(self._asleep, update, fallback)
         t0 = time.perf_counter()
         level = self._asleep
         await self.llm.wake_up()

@@ -24,6 +24,8 @@ from agentroll.backends.base import (
     ResumePolicy,
     SupportsSleep,
     UpdatesInRotation,
+    check_sleep,
+    check_wake,
 )
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet.replica import Replica, ReplicaDown
@@ -564,8 +566,7 @@ class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
         """Every live replica sleeps (in parallel); calls in flight stay where they are and
         continue at wake.  The report sums the replicas'.  Raises ``BackendError`` when a
         replica cannot (those that slept are woken again on their weights)."""
-        if self.asleep:
-            raise BackendError(f"the fleet sleeps already (level {self.asleep}); wake it first")
+        check_sleep(self.asleep, level, policy)
         if self._update_lock.locked():
             raise BackendError("a weight update is rolling through the fleet; sleep after it")
         async with self._update_lock:
@@ -606,8 +607,7 @@ class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
         """Every sleeping replica wakes with ``update``.  One that refuses it wakes on its
         last good weights and leaves the rotation (its calls move), as in ``update``; raises
         ``WeightSyncError`` when none took it (then all still sleep, as they were)."""
-        if not self.asleep:
-            raise BackendError("the fleet is awake; wake() follows `await fleet.sleep()`")
+        check_wake(self.asleep, update, fallback)
         async with self._update_lock:
             names = list(self._asleep)
             got = await asyncio.gather(
