@@ -4,6 +4,7 @@ exactly, updates installed at wake, and bad calls refused with nothing half-appl
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,14 @@ def _state(backend: TorchBackend) -> dict[str, torch.Tensor]:
 def _perturbed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in state.items()}
+
+
+def _next_version(backend: TorchBackend) -> Any:
+    """A delta update of the backend's weights to version 1 (seeded small changes)."""
+    live = _state(backend)
+    exporter = WeightExporter(lambda: live)
+    live.update(_perturbed(live))
+    return exporter.export()
 
 
 async def _started(backend: TorchBackend, rid: str, at_least: int) -> asyncio.Task:  # type: ignore[type-arg]
@@ -95,10 +104,7 @@ async def test_requests_made_while_asleep_wait_for_wake(tiny_model: Path) -> Non
 
 async def test_keep_across_a_delta_update_at_wake_keeps_old_kv_versions(tiny_model: Path) -> None:
     async with TorchBackend(tiny_model) as backend:
-        live = _state(backend)
-        exporter = WeightExporter(lambda: live)
-        live.update(_perturbed(live))
-        update = exporter.export()
+        update = _next_version(backend)
         assert update.kind == "delta"
         task = await _started(backend, "k", 10)
         report = await backend.sleep(2, policy="keep")
@@ -118,10 +124,7 @@ async def test_keep_across_a_delta_update_at_wake_keeps_old_kv_versions(tiny_mod
 
 async def test_recompute_at_wake_rescores_under_the_new_weights(tiny_model: Path) -> None:
     async with TorchBackend(tiny_model) as backend:
-        live = _state(backend)
-        exporter = WeightExporter(lambda: live)
-        live.update(_perturbed(live))
-        update = exporter.export()
+        update = _next_version(backend)
         task = await _started(backend, "c", 10)
         report = await backend.sleep(1, policy="recompute")
         assert report.kept_bytes == 0
@@ -175,10 +178,7 @@ async def test_bad_calls_are_refused_and_nothing_is_half_applied(tiny_model: Pat
 
 async def test_sleep_during_a_weight_update_is_refused(tiny_model: Path) -> None:
     async with TorchBackend(tiny_model) as backend:
-        live = _state(backend)
-        exporter = WeightExporter(lambda: live)
-        live.update(_perturbed(live))
-        update = exporter.export()
+        update = _next_version(backend)
         await backend.stage(update)  # staged, not swapped yet: an update in progress
         with pytest.raises(BackendError, match="update is in progress"):
             await backend.sleep(1)
