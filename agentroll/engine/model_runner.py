@@ -202,10 +202,15 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the live weights and of the fused copies derived from them."""
-        own = sum(p.numel() * p.element_size() for p in self._params)
+        """Bytes of the live weights and of the fused copies derived from them (each storage
+        once: the fused list also holds the norms and the embedding themselves)."""
         fused = self._fused[1] if self._fused is not None else []
-        return own + sum(t.numel() * t.element_size() for t in fused if t.numel())
+        storages = {}
+        for t in [*self._params, *fused]:
+            if t.numel():
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
 
     def allocate_kv(self) -> None:
         """(Re)allocate the KV cache, zeroed: one buffer, so that freeing it hands every page

@@ -308,23 +308,33 @@ async def train_colocated(
     offset = time.time() - time.perf_counter()  # switch times are perf_counter seconds
     last = {"woke": time.time()}
 
+    trained: list[Any] = []  # the TrainStats of each step, in order
+
     def train_step(batch: list[Trajectory], base: int) -> Any:
-        trainer.step(algorithm.collate(batch, pad_id=0))
+        trained.append(trainer.step(algorithm.collate(batch, pad_id=0)))
         return trainer.export(base)
 
-    def on_step(step: int, batch: list[Trajectory], stats: Any) -> None:
-        metrics.event(
-            "step",
-            step=step,
-            version=trainer.version,
-            reward_mean=sum(t.reward for t in batch) / max(1, len(batch)),
-            reward_std=0.0,
-            trajectories=len(batch),
-            tokens=sum(t.num_generated for t in batch),
-            staleness=staleness_of(batch, step),
-            kv_lagged_tokens=0,
-            failed=sum(t.status == "failed" for t in batch),
-        )
+    def on_step(step: int, batch: list[Trajectory], _: Any) -> None:
+        # colocated: the step has run by now (on_step follows its switch), unless the
+        # trainer missed wake_timeout; then there are no statistics to write
+        if len(trained) > step:
+            st = trained[step]
+            metrics.event(
+                "step",
+                step=step,
+                version=st.version,
+                reward_mean=st.reward_mean,
+                reward_std=st.reward_std,
+                trajectories=st.trajectories,
+                tokens=st.tokens,
+                loss=st.loss,
+                clip_fraction=st.clip_fraction,
+                kl=st.kl,
+                staleness=staleness_of(batch, step),
+                kv_lagged_tokens=st.kv_lagged_tokens,
+                seconds=st.seconds,
+                failed=sum(t.status == "failed" for t in batch),
+            )
         bar.advance()
 
     def on_switch(s: Switch) -> None:

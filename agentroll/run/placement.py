@@ -91,7 +91,6 @@ class PlacementStats(msgspec.Struct, kw_only=True):
     trainer_busy_s: float = 0.0
     restarted: int = 0
     switches: list[Switch] = []
-    trained_trajectories: list[Trajectory] = []
 
     @property
     def steps_per_s(self) -> float:
@@ -163,8 +162,7 @@ async def run_placement(
     ``train`` runs, the engine wakes on the update and the parked episodes go first.
     Separate: episodes never stop; each update is synced in with a pause (``policy``).
     ``on_step(step, batch, stats)`` follows each step, ``on_switch(switch)`` each colocated
-    switch (times on ``time.perf_counter``).  Returns the measurements (and the trajectories
-    trained on, for provenance checks)."""
+    switch (times on ``time.perf_counter``).  Returns the measurements."""
     backend = engine.backend
     colocated = config.mode == "colocated"
     if colocated and not isinstance(backend, SupportsSleep):
@@ -244,7 +242,6 @@ def _account(batch: list[Trajectory], stats: PlacementStats) -> None:
     stats.trained += len(batch)
     stats.failed += sum(t.status == "failed" for t in batch)
     stats.tokens += sum(t.num_generated for t in batch)
-    stats.trained_trajectories.extend(batch)
 
 
 async def _timed_train(
@@ -298,7 +295,8 @@ async def _switch(
         )
         update, fallback = None, True
     t_wake = time.perf_counter()
-    wake = await backend.wake(update, fallback=fallback, policies=policies)
+    # the backend was paused before it slept: engine.resume below applies the policies
+    wake = await backend.wake(update, fallback=fallback)
     woke_at = time.perf_counter()
     await engine.resume(policies)
     stats.switches.append(
