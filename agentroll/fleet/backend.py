@@ -206,6 +206,88 @@ class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
         self.router.forget(episode_id)
         self._notify()
 
+    # -- membership (capacity that moves) ---------------------------------------------------
+
+    async def add_replica(self, replica: Replica, weights: WeightUpdate | None = None) -> int:
+        """Start ``replica`` and put it in rotation at the fleet's version: ``weights`` (a full
+        update at that version) is applied first when the replica starts on other weights.
+        Returns its version.  Raises ``ConfigError`` for a name already in the fleet,
+        ``BackendError`` while the fleet sleeps, ``WeightSyncError`` when the replica would
+        serve another version than the fleet (it is closed again; nothing else changed)."""
+        if replica.name in self.replicas:
+            raise ConfigError(f"replica name {replica.name!r} is already in the fleet")
+        async with self._update_lock:
+            if self._asleep:
+                raise BackendError("the fleet is asleep; wake it before adding a replica")
+            target = self.policy_version
+            await replica.start()
+            try:
+                if weights is not None and weights.version != target:
+                    raise WeightSyncError(
+                        f"the weights for replica {replica.name} are version {weights.version}; "
+                        f"the fleet serves {target}: pass a full update at {target}"
+                    )
+                version = replica.version
+                if weights is not None:
+                    await replica.pause()  # nothing runs on it yet: the pause is immediate
+                    version = await replica.apply(weights)
+                    await replica.resume()
+                if target >= 0 and version != target:
+                    raise WeightSyncError(
+                        f"replica {replica.name} serves version {version} and the fleet {target}: "
+                        f"pass the fleet's weights (a full update at {target})"
+                    )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await replica.close()
+                raise
+            self.replicas[replica.name] = replica
+            self.hold_kv = all(r.can_hold_kv for r in self.replicas.values())
+            self.router.add(replica.name, version, self._capacity)
+            self._notify()
+            return version
+
+    async def remove_replica(self, name: str, *, timeout: float = 60.0) -> Replica:
+        """Take ``name`` out of the fleet: nothing new is routed to it, its calls move to the
+        others with their KV where a replica can take it (recomputed otherwise; none is
+        restarted), a call that may not move (pinned to a version only it serves) finishes
+        there within ``timeout`` seconds or then moves recomputed; then the replica is closed
+        and forgotten, and returned.  Raises ``ConfigError`` for an unknown name or the last
+        replica in rotation, ``BackendError`` while the fleet sleeps."""
+        async with self._update_lock:
+            if name not in self.replicas:
+                raise ConfigError(f"no replica {name!r} in the fleet ({sorted(self.replicas)})")
+            if self._asleep:
+                raise BackendError("the fleet is asleep; wake it before removing a replica")
+            others = [n for n in self.router.active() if n != name]
+            if not others:
+                raise ConfigError(
+                    f"replica {name} is the last one in rotation; add another before removing it"
+                )
+            replica = self.replicas[name]
+            was_down = self.router.slots[name].status == "down"
+            if not was_down:
+                self._set_status(name, "draining")
+                await self._evacuate(name)
+            deadline = time.monotonic() + timeout
+            while calls := self.calls_on(name):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for call in calls:  # the KV stays: recomputed from what was delivered
+                        await self._failover(call, replica, is_down=False)
+                    continue
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(left, 0.5))
+            del self.replicas[name]
+            self.paused_replicas.discard(name)
+            self.router.remove(name)
+            self.hold_kv = all(r.can_hold_kv for r in self.replicas.values())
+            self._notify()
+        with contextlib.suppress(Exception):
+            await replica.close()
+        return replica
+
     # -- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:

@@ -53,6 +53,15 @@ class Router:
             raise ValueError("capacity must be >= 1")
         self.slots[name] = ReplicaSlot(name, version, capacity)
 
+    def remove(self, name: str) -> None:
+        """Forget a replica that carries no call (it left the fleet)."""
+        slot = self.slots[name]
+        if slot.load:
+            raise ValueError(f"replica {name!r} still carries {slot.load} call(s)")
+        del self.slots[name]
+        for episode in [e for e, n in self._last.items() if n == name]:
+            del self._last[episode]
+
     def set_status(self, name: str, status: ReplicaStatus) -> None:
         slot = self.slots[name]
         if slot.status == "down" and status != "down":
