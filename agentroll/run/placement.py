@@ -7,7 +7,9 @@ after the update, their old tokens keeping their versions; without partial rollo
 admits one batch of groups and waits for the last of them.  A trajectory is trained on only
 within ``max_staleness`` of the trainer's version (exactly; the others are counted).  When
 the trainer does not deliver weights within ``wake_timeout`` the engine wakes on its last
-good weights and says so.
+good weights and says so.  Separate: the rollout runs at most ``rollout_ahead`` batches
+ahead of the trainer, and a ``CapacityMover`` may move capacity between them at step
+boundaries (``agentroll.run.capacity``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from agentroll._mem import rss_bytes
 from agentroll.backends.base import ReportsBusy, SupportsSleep
 from agentroll.errors import ConfigError
 from agentroll.rollout.pause import PolicyFn, fixed_policy
+from agentroll.run.capacity import BusyClock, CapacityMover, Move, Window
 from agentroll.types import Task, Trajectory
 
 if TYPE_CHECKING:
@@ -41,13 +44,18 @@ class PlacementConfig(msgspec.Struct, kw_only=True, frozen=True):
     """``mode``: colocated or separate; ``partial_rollouts``: a colocated phase ends once a
     batch is complete, pausing the stragglers (else it waits for them); ``sleep_level``: 1
     releases the KV cache, 2 the weights too; ``wake_timeout``: seconds the sleeping engine
-    waits for the trainer's weights before it wakes on its last good ones."""
+    waits for the trainer's weights before it wakes on its last good ones;
+    ``rollout_ahead``: batches a separate rollout may run ahead of the trainer (it then
+    waits: the staleness stays bounded); ``window_steps``: steps per measurement window of
+    the idle fractions (separate mode, the autoscaler's input)."""
 
     mode: Mode = "separate"
     partial_rollouts: bool = True
     sleep_level: int = 1
     wake_timeout: float = 600.0
     max_staleness: int = 4
+    rollout_ahead: int = 1
+    window_steps: int = 2
 
     def __post_init__(self) -> None:
         if self.mode not in ("separate", "colocated"):
@@ -58,6 +66,8 @@ class PlacementConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("placement.wake_timeout must be > 0 seconds")
         if self.max_staleness < 0:
             raise ConfigError("placement.max_staleness must be >= 0")
+        if self.rollout_ahead < 1 or self.window_steps < 1:
+            raise ConfigError("placement.rollout_ahead and window_steps must be >= 1")
 
 
 class Switch(msgspec.Struct, kw_only=True):
@@ -88,9 +98,12 @@ class PlacementStats(msgspec.Struct, kw_only=True):
     failed: int = 0
     tail_wait_s: float = 0.0
     rollout_busy_s: float = 0.0
+    rollout_capacity_s: float = 0.0  # replica-seconds offered (0: ``seconds``, one engine)
     trainer_busy_s: float = 0.0
     restarted: int = 0
     switches: list[Switch] = []
+    windows: list[Window] = []
+    moves: list[Move] = []
 
     @property
     def steps_per_s(self) -> float:
@@ -102,7 +115,8 @@ class PlacementStats(msgspec.Struct, kw_only=True):
 
     @property
     def rollout_idle(self) -> float:
-        return max(0.0, 1.0 - self.rollout_busy_s / self.seconds) if self.seconds else 0.0
+        offered = self.rollout_capacity_s or self.seconds
+        return max(0.0, 1.0 - self.rollout_busy_s / offered) if offered else 0.0
 
     @property
     def trainer_idle(self) -> float:
@@ -116,19 +130,32 @@ after it as an update for a replica at ``base_version`` (runs in a thread)."""
 
 class _Phases:
     """Admission of groups: without partial rollouts, a phase admits ``per_phase`` groups and
-    then waits for the next phase; with them, every group is admitted when a slot is free."""
+    then waits for the next phase; with them, every group is admitted when a slot is free,
+    up to ``ahead`` groups not yet handed to the trainer (None: no bound)."""
 
-    def __init__(self, per_phase: int | None) -> None:
+    def __init__(self, per_phase: int | None, ahead: int | None = None) -> None:
         self.per_phase = per_phase
+        self.ahead = ahead
         self.admitted = 0
+        self.outstanding = 0  # admitted groups not yet in a training batch
         self.open = asyncio.Event()
         self.open.set()
 
+    def _full(self) -> bool:
+        if self.per_phase is not None and self.admitted >= self.per_phase:
+            return True
+        return self.ahead is not None and self.outstanding >= self.ahead
+
     async def admit(self, n: int) -> None:
-        while self.per_phase is not None and self.admitted >= self.per_phase:
+        while self._full():
             self.open.clear()
             await self.open.wait()
         self.admitted += 1
+        self.outstanding += 1
+
+    def handed(self, groups: int) -> None:
+        self.outstanding = max(0, self.outstanding - groups)
+        self.open.set()
 
     def next_phase(self) -> None:
         self.admitted = 0
@@ -153,6 +180,8 @@ async def run_placement(
     policy: PolicyFn | None = None,
     on_step: Callable[[int, list[Trajectory], PlacementStats], None] | None = None,
     on_switch: Callable[[Switch], None] | None = None,
+    capacity: CapacityMover | None = None,
+    on_move: Callable[[Move], None] | None = None,
 ) -> PlacementStats:
     """Train ``steps`` batches of ``batch_groups`` groups on the episodes of ``engine``.
 
@@ -160,24 +189,39 @@ async def run_placement(
     still running are paused and parked with ``policy``, default ``keep``; otherwise the
     phase admitted exactly that batch and waits for its last episode), the engine sleeps,
     ``train`` runs, the engine wakes on the update and the parked episodes go first.
-    Separate: episodes never stop; each update is synced in with a pause (``policy``).
-    ``on_step(step, batch, stats)`` follows each step, ``on_switch(switch)`` each colocated
-    switch (times on ``time.perf_counter``).  Returns the measurements."""
+    Separate: episodes never stop (but wait to be admitted while the rollout is
+    ``rollout_ahead`` batches ahead); each update is synced in with a pause (``policy``);
+    ``capacity`` (a fleet's ``CapacityMover``) measures the idle fractions every
+    ``window_steps`` steps and carries out its autoscaler's moves, each reported to
+    ``on_move``.  ``on_step(step, batch, stats)`` follows each step, ``on_switch(switch)``
+    each colocated switch (times on ``time.perf_counter``).  Returns the measurements."""
     backend = engine.backend
     colocated = config.mode == "colocated"
     if colocated and not isinstance(backend, SupportsSleep):
         raise ConfigError(
             f"placement.mode='colocated' needs a backend that can sleep; {backend.name} cannot"
         )
+    if capacity is not None and colocated:
+        raise ConfigError(
+            "autoscale moves capacity between a rollout and a trainer that run at once: "
+            "use it with placement.mode='separate'"
+        )
     partial = config.partial_rollouts or not colocated
     choose = policy or fixed_policy("keep")
     stats = PlacementStats(mode=config.mode, partial_rollouts=partial)
-    phases = _Phases(None if partial else batch_groups)
+    phases = _Phases(
+        None if partial else batch_groups,
+        None if colocated else config.rollout_ahead * batch_groups,
+    )
     concurrency = engine.config.concurrency
     version = backend.policy_version
     tail = _TailMeter(engine, concurrency)
-    busy0 = _busy(backend)
+    trainer_clock = capacity.trainer if capacity is not None else BusyClock()
+    threads = (lambda: capacity.trainer_threads) if capacity is not None else (lambda: None)
+    busy0 = await _busy(backend)
     t0 = time.perf_counter()
+    if capacity is not None:
+        await capacity.begin_window()
     pending: list[list[Trajectory]] = []
     training: asyncio.Task[WeightUpdate] | None = None  # separate mode: the step in flight
     try:
@@ -189,12 +233,13 @@ async def run_placement(
                 if len(pending) < batch_groups:
                     continue
                 batch_groups_now, pending = pending[:batch_groups], pending[batch_groups:]
+                phases.handed(len(batch_groups_now))
                 batch = _fresh([t for g in batch_groups_now for t in g], version, config, stats)
                 step = stats.steps
                 if colocated:
                     tail.phase_over()
                     version = await _switch(
-                        engine, train, batch, version, step, config, choose, stats
+                        engine, train, batch, version, step, config, choose, stats, trainer_clock
                     )
                     if on_switch is not None:
                         on_switch(stats.switches[-1])
@@ -203,7 +248,14 @@ async def run_placement(
                 else:
                     if training is not None:  # one step in flight: the pools overlap, no more
                         version = await _sync_separate(engine, await training, choose, stats)
-                    training = asyncio.create_task(_timed_train(train, batch, version, stats))
+                    if capacity is not None and step and step % config.window_steps == 0:
+                        # between steps: the trainer is not stepping, the fleet is at `version`
+                        move = await capacity.step(step)
+                        if move is not None and on_move is not None:
+                            on_move(move)
+                    training = asyncio.create_task(
+                        _timed_train(train, batch, version, stats, trainer_clock, threads())
+                    )
                 stats.steps += 1
                 _account(batch, stats)
                 if on_step is not None:
@@ -216,9 +268,17 @@ async def run_placement(
         tail.stop()
         if training is not None and not training.done():
             training.cancel()
+    if capacity is not None:
+        await capacity.end_window(stats.steps)
     stats.seconds = time.perf_counter() - t0
     stats.tail_wait_s = tail.total
-    stats.rollout_busy_s = _busy(backend) - busy0
+    if capacity is not None:
+        stats.rollout_busy_s = capacity.serving_seconds
+        stats.rollout_capacity_s = capacity.replica_seconds
+        stats.windows = list(capacity.windows)
+        stats.moves = list(capacity.moves)
+    else:
+        stats.rollout_busy_s = await _busy(backend) - busy0
     stats.restarted = int(engine.stats.get("restarted_turns", 0))
     return stats
 
@@ -245,12 +305,27 @@ def _account(batch: list[Trajectory], stats: PlacementStats) -> None:
 
 
 async def _timed_train(
-    train: TrainFn, batch: list[Trajectory], version: int, stats: PlacementStats
+    train: TrainFn,
+    batch: list[Trajectory],
+    version: int,
+    stats: PlacementStats,
+    clock: BusyClock,
+    threads: int | None = None,
 ) -> WeightUpdate:
+    def step() -> WeightUpdate:
+        if threads is not None:
+            import torch
+
+            # per thread (OpenMP): the engines' own threads keep their settings
+            torch.set_num_threads(threads)
+        return train(batch, version)
+
     t0 = time.perf_counter()
+    clock.begin()
     try:
-        return await asyncio.to_thread(train, batch, version)
+        return await asyncio.to_thread(step)
     finally:
+        clock.end()
         stats.trainer_busy_s += time.perf_counter() - t0
 
 
@@ -270,6 +345,7 @@ async def _switch(
     config: PlacementConfig,
     choose: PolicyFn,
     stats: PlacementStats,
+    clock: BusyClock,
 ) -> int:
     """Pause the episodes in flight, sleep, train, wake on the update (or, past
     ``wake_timeout``, on the last good weights), resume the parked episodes first."""
@@ -284,7 +360,7 @@ async def _switch(
     fallback = False
     try:
         update: WeightUpdate | None = await asyncio.wait_for(
-            _timed_train(train, batch, version, stats), config.wake_timeout
+            _timed_train(train, batch, version, stats, clock), config.wake_timeout
         )
     except TimeoutError:
         logger.warning(
@@ -315,7 +391,13 @@ async def _switch(
     return int(wake.version)
 
 
-def _busy(backend: Any) -> float:
+async def _busy(backend: Any) -> float:
+    """Seconds the backend served calls (a fleet: the mean over its replicas)."""
+    from agentroll.fleet.backend import FleetBackend
+
+    if isinstance(backend, FleetBackend):
+        served = await backend.replica_seconds(list(backend.replicas))
+        return sum(served.values()) / max(1, len(served))
     return float(backend.generating_seconds) if isinstance(backend, ReportsBusy) else 0.0
 
 
