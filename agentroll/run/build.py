@@ -76,6 +76,20 @@ def local_weight_layout(backend: Backend) -> WeightLayout | None:
     return None
 
 
+def torch_engine(recipe: Recipe, model_dir: str | Path) -> Backend:
+    """One built-in engine with the recipe's ``[backend]`` settings (not started)."""
+    from agentroll.backends.torch import TorchBackend
+
+    b = recipe.backend
+    return TorchBackend(
+        str(model_dir),
+        dtype=b.dtype,
+        kv_cache_mb=b.kv_cache_mb,
+        max_num_seqs=b.max_num_seqs,
+        max_num_batched_tokens=b.prefill_budget,
+    )
+
+
 def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
     """A ``FleetBackend`` of ``backend.replicas`` engines of ``backend.kind`` on
     ``model_dir`` (built-in engines, vLLM in-process, vLLM servers at ``backend.urls``, or
@@ -86,18 +100,7 @@ def build_backend(recipe: Recipe, model_dir: str | Path) -> Backend:
     b = recipe.backend
     engines: list[Backend]
     if b.kind == "torch":
-        from agentroll.backends.torch import TorchBackend
-
-        engines = [
-            TorchBackend(
-                str(model_dir),
-                dtype=b.dtype,
-                kv_cache_mb=b.kv_cache_mb,
-                max_num_seqs=b.max_num_seqs,
-                max_num_batched_tokens=b.prefill_budget,
-            )
-            for _ in range(b.replicas)
-        ]
+        engines = [torch_engine(recipe, model_dir) for _ in range(b.replicas)]
     elif b.kind == "vllm":
         from agentroll.backends.vllm import VLLMBackend
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.run.metrics import MetricsWriter
@@ -289,52 +291,71 @@ async def train(
     return status
 
 
-async def train_colocated(
+async def train_in_process(
     recipe: Recipe, *, model_dir: Path, run_dir: Path, progress: ProgressMode = "auto"
 ) -> dict[str, Any]:
-    """``[placement] mode = "colocated"``: one process alternates rollout phases and training
-    steps on the same cores (``agentroll.run.placement``); returns what it measured.  The
-    trajectories go straight to the trainer (no spool: episodes still running at the end
-    are cancelled, and counted, not lost after being made durable)."""
+    """Rollout and training in this process (``agentroll.run.placement``): ``[placement]
+    mode = "colocated"`` alternates rollout phases and training steps on the same cores;
+    ``mode = "separate"`` with ``autoscale`` runs both at once, its replicas and trainer
+    threads moved by the autoscaler (each move an ``autoscale`` record).  Returns what it
+    measured.  The trajectories go straight to the trainer (no spool: episodes still running
+    at the end are cancelled, and counted, not lost after being made durable)."""
+    import os
+
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
     from agentroll.rollout.engine import RolloutEngine
     from agentroll.rollout.pause import as_policy_fn
-    from agentroll.run.build import build_backend, build_environment, resume_policy, rollout_config
+    from agentroll.run.autoscale import AutoscaleConfig, Autoscaler, Capacity
+    from agentroll.run.build import (
+        build_backend,
+        build_environment,
+        resume_policy,
+        rollout_config,
+        torch_engine,
+    )
+    from agentroll.run.capacity import CapacityMover, Move, ServingMeter
     from agentroll.run.placement import PlacementConfig, Switch, run_placement
 
     p = recipe.placement
+    colocated = p.mode == "colocated"
     trainer, algorithm = build_trainer(recipe, model_dir)
-    metrics = MetricsWriter(run_dir, "colocated")
+    metrics = MetricsWriter(run_dir, "colocated" if colocated else "in-process")
     bar = Progress("training steps", recipe.run.steps, mode=progress)
-    offset = time.time() - time.perf_counter()  # switch times are perf_counter seconds
-    last = {"woke": time.time()}
+    offset = time.time() - time.perf_counter()  # switch and move times are perf_counter seconds
+    last = {"woke": time.time(), "trained": time.time()}
 
-    trained: list[Any] = []  # the TrainStats of each step, in order
+    done = [0]  # steps trained
 
     def train_step(batch: list[Trajectory], base: int) -> Any:
-        trained.append(trainer.step(algorithm.collate(batch, pad_id=0)))
-        return trainer.export(base)
+        t0 = time.time()
+        version, step = trainer.version, done[0]
+        st = trainer.step(algorithm.collate(batch, pad_id=0))
+        update = trainer.export(base)
+        if not colocated:  # colocated: the switch spans say when it trained
+            metrics.span_at("trainer.idle", last["trained"], t0)
+            metrics.span_at("trainer.busy", t0, time.time(), step=step)
+            last["trained"] = time.time()
+        done[0] += 1
+        metrics.event(
+            "step",
+            step=step,
+            version=st.version,
+            reward_mean=st.reward_mean,
+            reward_std=st.reward_std,
+            trajectories=st.trajectories,
+            tokens=st.tokens,
+            loss=st.loss,
+            clip_fraction=st.clip_fraction,
+            kl=st.kl,
+            staleness=staleness_of(batch, version),
+            kv_lagged_tokens=st.kv_lagged_tokens,
+            seconds=st.seconds,
+            failed=sum(t.status == "failed" for t in batch),
+        )
+        return update
 
     def on_step(step: int, batch: list[Trajectory], _: Any) -> None:
-        # colocated: the step has run by now (on_step follows its switch), unless the
-        # trainer missed wake_timeout; then there are no statistics to write
-        if len(trained) > step:
-            st = trained[step]
-            metrics.event(
-                "step",
-                step=step,
-                version=st.version,
-                reward_mean=st.reward_mean,
-                reward_std=st.reward_std,
-                trajectories=st.trajectories,
-                tokens=st.tokens,
-                loss=st.loss,
-                clip_fraction=st.clip_fraction,
-                kl=st.kl,
-                staleness=staleness_of(batch, step),
-                kv_lagged_tokens=st.kv_lagged_tokens,
-                seconds=st.seconds,
-                failed=sum(t.status == "failed" for t in batch),
-            )
         bar.advance()
 
     def on_switch(s: Switch) -> None:
@@ -355,31 +376,78 @@ async def train_colocated(
         )
         last["woke"] = woke
 
+    def on_move(m: Move) -> None:
+        fields = msgspec.structs.asdict(m)
+        fields["t"] = fields.pop("at") + offset
+        metrics.event("autoscale", **fields)
+
+    def on_serving(replica: str, busy: bool, start: float, end: float) -> None:
+        name = "rollout.busy" if busy else "rollout.idle"
+        metrics.span_at(name, start, end, component=f"rollout-{replica}")
+
     config = PlacementConfig(
-        mode="colocated",
+        mode=p.mode,
         partial_rollouts=p.partial_rollouts,
         sleep_level=p.sleep_level,
         wake_timeout=p.wake_timeout,
         max_staleness=recipe.buffer.max_staleness
         if recipe.buffer.max_staleness is not None
         else 1 << 30,
+        window_steps=p.window_steps,
     )
     env = build_environment(recipe)
     batch_groups = recipe.trainer.batch_size // recipe.rollout.samples_per_task
+    mover: CapacityMover | None = None
+    meter: ServingMeter | None = None
     try:
         backend = build_backend(recipe, model_dir)
-        async with backend, RolloutEngine(backend, env, rollout_config(recipe)) as engine:
-            stats = await run_placement(
-                engine,
-                train_step,
-                list(env.tasks()),
-                steps=recipe.run.steps,
-                batch_groups=batch_groups,
-                config=config,
-                policy=as_policy_fn(resume_policy(recipe.sync)),
-                on_step=on_step,
-                on_switch=on_switch,
+        if not colocated:
+            assert isinstance(backend, FleetBackend)
+            cores = p.cores or os.cpu_count() or 1
+            threads = recipe.trainer.threads or max(1, cores - recipe.backend.replicas)
+            controller = None
+            if p.autoscale:
+                controller = Autoscaler(
+                    AutoscaleConfig(
+                        band=p.autoscale_band,
+                        cores=cores,
+                        max_replicas=max(recipe.backend.replicas, p.max_replicas or cores),
+                        max_trainer_threads=max(threads, cores),
+                    ),
+                    Capacity(recipe.backend.replicas, threads),
+                )
+
+            def make_replica(i: int) -> LocalReplica:
+                return LocalReplica(torch_engine(recipe, model_dir), name=f"replica-{i}")
+
+            mover = CapacityMover(
+                backend,
+                controller,
+                make_replica,
+                lambda: trainer.exporter.full(),
+                trainer_threads=threads,
             )
+            meter = ServingMeter(backend, on_serving)
+        async with backend, RolloutEngine(backend, env, rollout_config(recipe)) as engine:
+            if meter is not None:
+                meter.start()
+            try:
+                stats = await run_placement(
+                    engine,
+                    train_step,
+                    list(env.tasks()),
+                    steps=recipe.run.steps,
+                    batch_groups=batch_groups,
+                    config=config,
+                    policy=as_policy_fn(resume_policy(recipe.sync)),
+                    on_step=on_step,
+                    on_switch=on_switch,
+                    capacity=mover,
+                    on_move=on_move,
+                )
+            finally:
+                if meter is not None:
+                    await meter.stop()
         metrics.counter("episodes", stats.trained + stats.dropped_stale)
         metrics.counter("episodes_failed", stats.failed)
         metrics.counter("episodes_restarted", stats.restarted)
@@ -388,14 +456,20 @@ async def train_colocated(
     finally:
         bar.close()
         metrics.close()
-    return {
-        "placement": "colocated",
+    out: dict[str, Any] = {
+        "placement": p.mode,
         "partial_rollouts": p.partial_rollouts,
         "steps": stats.steps,
         "tail_wait_s": stats.tail_wait_s,
         "switches": len(stats.switches),
         "fallbacks": sum(s.fallback for s in stats.switches),
     }
+    if mover is not None:
+        out["autoscale"] = p.autoscale
+        out["moves"] = sum(not m.error for m in stats.moves)
+        out["replicas"] = len(mover.fleet.replicas)
+        out["trainer_threads"] = mover.trainer_threads
+    return out
 
 
 def lost_count(status: dict[str, Any]) -> int:
@@ -430,6 +504,7 @@ async def run_recipe_async(
         strategy=recipe.sync.strategy,
         policy=recipe.sync.policy,
         placement=recipe.placement.mode,
+        autoscale=recipe.placement.autoscale,
     )
     print(f"run directory: {out}", file=sys.stderr)
     if recipe.trainer.threads is not None:
@@ -443,9 +518,9 @@ async def run_recipe_async(
     if recipe.warmup.steps:
         demos = await demonstrations(recipe, model_dir)
         model_dir = await asyncio.to_thread(warmup, recipe, model_dir, out, demos)
-    if recipe.placement.mode == "colocated":
+    if recipe.placement.mode == "colocated" or recipe.placement.autoscale:
         async with asyncio.timeout(recipe.run.timeout):
-            status = await train_colocated(
+            status = await train_in_process(
                 recipe, model_dir=model_dir, run_dir=out, progress=progress
             )
         metrics.event("run", event="end", worker_status=status, worker_exit_code=0)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from agentroll.run.metrics import SpanRecord, Trace
-from agentroll.run.spans import _phase_spans, _staleness, _steps, _union
+from agentroll.run.spans import _phase_spans, _staleness, _steps, _union, capacity_moves
 
 if TYPE_CHECKING:
     from matplotlib.path import Path as MplPath
@@ -95,7 +95,8 @@ def timeline_lanes(trace: Trace) -> list[TimelineLane]:
 
 def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
     """Write ``reward.png`` (reward_mean per step, rolling mean), ``timeline.png`` (one bar row
-    per component and phase over wall time) and ``staleness.png`` (histogram summed over
+    per component and phase over wall time; each autoscale move a dashed line labelled with
+    the rollout replicas and trainer threads after it, ``2r/1t``) and ``staleness.png`` (histogram summed over
     steps) into ``run_dir``; a plot without data is not written.  Returns the paths written.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -168,6 +169,20 @@ def write_plots(trace: Trace, run_dir: str | Path) -> list[Path]:
                         snap=False,
                     )
                 )
+        # autoscale moves: a dashed line at each, labelled with the capacity it left
+        lo = (trace.bounds() or (0.0, 0.0))[0]
+        for move in capacity_moves(trace):
+            x = move.t - lo
+            ax.axvline(x, color="black" if not move.error else "tab:red", ls="--", lw=0.8)
+            label = f"{move.replicas_after}r/{move.threads_after}t" if not move.error else "failed"
+            ax.annotate(
+                label,
+                (x, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -10),
+                textcoords="offset points",
+                fontsize="x-small",
+            )
         save(fig, "timeline.png")
 
     hist = _staleness(_steps(trace))

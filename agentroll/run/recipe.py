@@ -370,12 +370,24 @@ class PlacementSection(_Section, frozen=True):
     bounds = {
         "sleep_level": Bound(1, 2, "(1: KV cache, 2: KV cache and weights)"),
         "wake_timeout": Bound(0.0, 86_400.0, "seconds", low_open=True),
+        "autoscale_band": Bound(0.0, 1.0, "(idle fraction)", high_open=True),
+        "window_steps": Bound(1, 100_000, "steps"),
+        "max_replicas": Bound(1, 1024, "replicas", none="leave it out for one per core"),
+        "cores": Bound(1, 65536, "threads", none="leave it out for this machine's count"),
     }
 
     mode: Literal["separate", "colocated"] = "separate"
     partial_rollouts: bool = True
     sleep_level: int = 1
     wake_timeout: float = 600.0
+    # separate only: rollout replicas and trainer threads in this process, moved with
+    # hysteresis when |trainer idle - rollout idle| > autoscale_band for two windows of
+    # window_steps steps; max_replicas and cores bound what it may run
+    autoscale: bool = False
+    autoscale_band: float = 0.15
+    window_steps: int = 2
+    max_replicas: int | None = None
+    cores: int | None = None
 
 
 class TrainerSection(_Section, frozen=True):
@@ -444,6 +456,16 @@ class Recipe(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
             (
                 self.buffer.capacity >= self.trainer.batch_size,
                 "buffer.capacity must hold at least one batch (trainer.batch_size)",
+            ),
+            (
+                not self.placement.autoscale or self.placement.mode == "separate",
+                "placement.autoscale moves capacity between a rollout and a trainer that run "
+                "at once: use it with placement.mode = 'separate'",
+            ),
+            (
+                not self.placement.autoscale or self.backend.kind == "torch",
+                "placement.autoscale starts and stops built-in engines in this process: "
+                "use it with backend.kind = 'torch'",
             ),
         ]
         for ok, message in checks:

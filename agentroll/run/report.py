@@ -18,7 +18,14 @@ import msgspec
 from agentroll.errors import ConfigError
 from agentroll.run.metrics import Trace, read_trace, trace_files
 from agentroll.run.plots import write_plots
-from agentroll.run.spans import _phase_spans, _staleness, _steps, _union_seconds
+from agentroll.run.spans import (
+    CapacityMove,
+    _phase_spans,
+    _staleness,
+    _steps,
+    _union_seconds,
+    capacity_moves,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -87,6 +94,8 @@ class Report(msgspec.Struct, kw_only=True):
     kv_lagged_fraction: float | None
     skipped_lines: int
     placement: str = "separate"  # colocated: rollout and training take turns on one process
+    autoscale: bool = False  # the run moved capacity by itself (placement.autoscale)
+    moves: list[CapacityMove] = []  # what it moved, in time order
 
     def key_line(self) -> str:
         """The one line a note quotes (shape fixed; unmeasured figures print ``unknown``)."""
@@ -311,6 +320,8 @@ def build_report(run_dir: str | Path, trace: Trace | None = None) -> Report:
         else None,
         max_staleness=max_staleness if isinstance(max_staleness, int) else None,
         placement=str(trace.run_meta().get("placement") or "separate"),
+        autoscale=bool(trace.run_meta().get("autoscale", False)),
+        moves=capacity_moves(trace),
         rollout_busy_fraction=phase_mean("rollout", "busy_fraction"),
         rollout_idle_fraction=phase_mean("rollout", "idle_fraction"),
         trainer_busy_fraction=phase_mean("trainer", "busy_fraction"),
@@ -347,6 +358,26 @@ def advice(report: Report) -> list[str]:
     lost trajectories.  Always returns at least one line.
     """
     out: list[str] = []
+    done = [m for m in report.moves if not m.error]
+    if done:
+        last = done[-1]
+        out.append(
+            f"autoscale moved capacity {len(done)} time(s): "
+            + "; ".join(m.describe() for m in done)
+            + f"; it ended with {last.replicas_after} rollout replica(s) and "
+            f"{last.threads_after} trainer thread(s)"
+        )
+    elif report.autoscale:
+        out.append(
+            "autoscale made no move: the idle fractions stayed within placement.autoscale_band "
+            "for the windows it measured, or the capacity was at its bounds"
+        )
+    failed = [m for m in report.moves if m.error]
+    if failed:
+        out.append(
+            f"autoscale could not make {len(failed)} move(s), the capacity stayed as it was: "
+            + "; ".join(m.describe() for m in failed)
+        )
     ri, ti = report.rollout_idle_fraction, report.trainer_idle_fraction
     if ri is None or ti is None:
         missing = [n for n, v in (("rollout", ri), ("trainer", ti)) if v is None]
@@ -362,6 +393,17 @@ def advice(report: Report) -> list[str]:
                 "each idles while the other works; what is neither is phase switches (see "
                 "wake_ms in colocated.jsonl) and the tail of each rollout phase (turn on "
                 "placement.partial_rollouts); separate pools run both at once"
+            )
+        elif report.autoscale and ri >= IDLE_HIGH and ti < IDLE_LOW:
+            out.append(
+                f"{nums}: the trainer is still the bottleneck with what autoscale could move; "
+                "this machine has no more capacity to hand it (raise placement.cores or "
+                "trainer devices, or raise max_staleness so rollouts can run further ahead)"
+            )
+        elif report.autoscale and ti >= IDLE_HIGH and ri < IDLE_LOW:
+            out.append(
+                f"{nums}: rollout is still the bottleneck with what autoscale could move; "
+                "raise placement.max_replicas or rollout.concurrency, or add devices"
             )
         elif ri >= IDLE_HIGH and ti < IDLE_LOW:
             out.append(

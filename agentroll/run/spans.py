@@ -88,3 +88,45 @@ def _steps(trace: Trace) -> list[StepRecord]:
     for s in trace.steps:  # sorted by (step, t): a step logged twice keeps its last record
         by_step[s.step] = s
     return [by_step[k] for k in sorted(by_step)]
+
+
+class CapacityMove(msgspec.Struct, kw_only=True, frozen=True):
+    """One ``autoscale`` record: when (wall-clock ``t``), at which step, the capacity
+    before and after, the idle fractions that asked for it, and an error if it failed."""
+
+    t: float
+    step: int
+    direction: str
+    replicas_before: int
+    replicas_after: int
+    threads_before: int
+    threads_after: int
+    rollout_idle: float
+    trainer_idle: float
+    error: str = ""
+
+    def describe(self) -> str:
+        """``step 6: rollout replicas 2 -> 1, trainer threads 1 -> 2 (rollout idle 45%,
+        trainer idle 5%)``."""
+        what = []
+        if self.replicas_after != self.replicas_before:
+            what.append(f"rollout replicas {self.replicas_before} -> {self.replicas_after}")
+        if self.threads_after != self.threads_before:
+            what.append(f"trainer threads {self.threads_before} -> {self.threads_after}")
+        idle = f"rollout idle {self.rollout_idle:.0%}, trainer idle {self.trainer_idle:.0%}"
+        failed = f", failed: {self.error}" if self.error else ""
+        return f"step {self.step}: {', '.join(what) or 'no change'} ({idle}{failed})"
+
+
+def capacity_moves(trace: Trace) -> list[CapacityMove]:
+    """The trace's ``autoscale`` records in time order (malformed ones are skipped)."""
+    out = []
+    for raw in trace.other:
+        if raw.get("kind") != "autoscale":
+            continue
+        fields = {k: v for k, v in raw.items() if k in CapacityMove.__struct_fields__}
+        try:
+            out.append(msgspec.convert(fields, CapacityMove))
+        except msgspec.ValidationError:
+            continue
+    return sorted(out, key=lambda m: m.t)

@@ -119,6 +119,12 @@ BAD: list[tuple[str, str, str]] = [
     ("[placement]\nsleep_level = 3", "placement.sleep_level", "3"),
     ("[placement]\nwake_timeout = 0", "placement.wake_timeout", "0"),
     ("[placement]\nwake_timeout = inf", "placement.wake_timeout", "inf"),
+    ("[placement]\nautoscale_band = 1", "placement.autoscale_band", "1"),
+    ("[placement]\nautoscale_band = -0.1", "placement.autoscale_band", "-0.1"),
+    ("[placement]\nwindow_steps = 0", "placement.window_steps", "0"),
+    ("[placement]\nmax_replicas = 0", "placement.max_replicas", "0"),
+    ("[placement]\ncores = 0", "placement.cores", "0"),
+    ("[placement]\ncores = 100000", "placement.cores", "100000"),
     ("[stream]\ndropped_max_records = -1", "stream.dropped_max_records", "-1"),
     (
         "[stream]\ndropped_max_bytes = 1000000000000000",
