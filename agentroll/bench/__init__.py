@@ -45,6 +45,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.placement",
         "separate vs colocated (waiting, or partial rollouts): steps/s, tail wait, sleep",
     ),
+    "autoscale": (
+        "agentroll.bench.autoscale",
+        "an unbalanced separate-pools run with and without autoscale: idle imbalance",
+    ),
     "vllm": (
         "agentroll.bench.vllm",
         "vllm backend tokens/s vs AsyncLLM.generate directly",
