@@ -646,11 +646,14 @@ class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
         policies: Mapping[str, ResumePolicy] | None = None,
     ) -> SleepReport:
         """Every live replica sleeps (in parallel); calls in flight stay where they are and
-        continue at wake.  The report sums the replicas'.  Raises ``BackendError`` when a
+        continue at wake, each under ``policies[request_id]``, else ``policy``, else the
+        replica's default.  The report sums the replicas'.  Raises ``BackendError`` when a
         replica cannot (those that slept are woken again on their weights)."""
         check_sleep(self.asleep, level, policy)
         if self._update_lock.locked():
             raise BackendError("a weight update is rolling through the fleet; sleep after it")
+        if policy is not None:  # the default of every call in flight, ``policies`` first
+            policies = {**dict.fromkeys(self._calls, policy), **(policies or {})}
         async with self._update_lock:
             names = self._live()
             got = await asyncio.gather(

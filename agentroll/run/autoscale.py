@@ -2,8 +2,9 @@
 
 The controller sees, per measurement window, the idle fraction of the rollout replicas and of
 the trainer, and answers with the capacity to run next: rollout replicas and trainer threads.
-Invariants: a move happens only after ``patience`` windows agreeing on its direction and at
-least ``cooldown`` windows after the previous move; the capacity stays within its bounds and
+Invariants: a move happens only when the mean imbalance of the last ``patience`` windows
+lies outside the band (one noisy window does not move it, nor do windows that disagree), and
+at least ``cooldown`` windows after the previous move; the capacity stays within its bounds and
 within ``cores`` threads; a move that undoes the previous one is made only when that one made
 the imbalance worse, so the capacity settles instead of oscillating.
 """
@@ -21,7 +22,8 @@ Direction = Literal["to_rollout", "to_trainer"]
 
 class AutoscaleConfig(msgspec.Struct, kw_only=True, frozen=True):
     """``band``: an imbalance ``trainer_idle - rollout_idle`` within ``±band`` is balanced;
-    ``patience``: windows in a row that must ask for the same direction; ``cooldown``:
+    ``patience``: windows whose mean imbalance decides (all measured since the last move);
+    ``cooldown``:
     windows after a move that are not acted on (the move's effect settles); the bounds of
     the replicas and trainer threads; ``cores``: threads the machine runs at once (a
     replica takes ``replica_threads``; a replica that leaves hands its threads to the
@@ -64,7 +66,8 @@ class Capacity(msgspec.Struct, frozen=True):
 
 
 class Decision(msgspec.Struct, kw_only=True, frozen=True):
-    """A move: the capacity before and after, the window's idle fractions and why."""
+    """A move: the capacity before and after, the idle fractions it rests on (the means of
+    the windows that decided) and why."""
 
     window: int
     direction: Direction
@@ -87,7 +90,7 @@ class Autoscaler:
         self.capacity = capacity
         self.window = 0
         self.decisions: list[Decision] = []
-        self._streak: tuple[Direction | None, int] = (None, 0)
+        self._seen: list[tuple[float, float]] = []  # (rollout, trainer) idle since the last move
         self._quiet = 0  # windows still to sit out after a move
 
     def imbalance(self, rollout_idle: float, trainer_idle: float) -> float:
@@ -99,20 +102,20 @@ class Autoscaler:
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name}={v} is not a fraction in [0, 1]")
         self.window += 1
-        gap = self.imbalance(rollout_idle, trainer_idle)
         if self._quiet:
             self._quiet -= 1
-            self._streak = (None, 0)
             return None
+        self._seen.append((rollout_idle, trainer_idle))
+        recent = self._seen[-self.config.patience :]
+        if len(recent) < self.config.patience:
+            return None
+        # the decision rests on the means of the recent windows, and so does its record
+        rollout_idle = sum(r for r, _ in recent) / len(recent)
+        trainer_idle = sum(t for _, t in recent) / len(recent)
+        gap = self.imbalance(rollout_idle, trainer_idle)
         if abs(gap) <= self.config.band:
-            self._streak = (None, 0)
             return None
         direction: Direction = "to_rollout" if gap > 0 else "to_trainer"
-        last, n = self._streak
-        n = n + 1 if last == direction else 1
-        self._streak = (direction, n)
-        if n < self.config.patience:
-            return None
         after = self._target(direction)
         if after is None:
             return None
@@ -136,7 +139,7 @@ class Autoscaler:
         )
         self.capacity = after
         self.decisions.append(decision)
-        self._streak = (None, 0)
+        self._seen = []
         self._quiet = self.config.cooldown
         return decision
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -217,6 +218,9 @@ async def run_placement(
     version = backend.policy_version
     tail = _TailMeter(engine, concurrency)
     trainer_clock = capacity.trainer if capacity is not None else BusyClock()
+    # a step past wake_timeout goes on in its thread: the next one waits for it, so the
+    # trainer never runs two steps at once
+    train_lock = threading.Lock()
     threads = (lambda: capacity.trainer_threads) if capacity is not None else (lambda: None)
     busy0 = await _busy(backend)
     t0 = time.perf_counter()
@@ -239,7 +243,16 @@ async def run_placement(
                 if colocated:
                     tail.phase_over()
                     version = await _switch(
-                        engine, train, batch, version, step, config, choose, stats, trainer_clock
+                        engine,
+                        train,
+                        batch,
+                        version,
+                        step,
+                        config,
+                        choose,
+                        stats,
+                        trainer_clock,
+                        train_lock,
                     )
                     if on_switch is not None:
                         on_switch(stats.switches[-1])
@@ -254,7 +267,9 @@ async def run_placement(
                         if move is not None and on_move is not None:
                             on_move(move)
                     training = asyncio.create_task(
-                        _timed_train(train, batch, version, stats, trainer_clock, threads())
+                        _timed_train(
+                            train, batch, version, stats, trainer_clock, train_lock, threads()
+                        )
                     )
                 stats.steps += 1
                 _account(batch, stats)
@@ -310,6 +325,7 @@ async def _timed_train(
     version: int,
     stats: PlacementStats,
     clock: BusyClock,
+    lock: threading.Lock,
     threads: int | None = None,
 ) -> WeightUpdate:
     def step() -> WeightUpdate:
@@ -318,7 +334,8 @@ async def _timed_train(
 
             # per thread (OpenMP): the engines' own threads keep their settings
             torch.set_num_threads(threads)
-        return train(batch, version)
+        with lock:
+            return train(batch, version)
 
     t0 = time.perf_counter()
     clock.begin()
@@ -346,6 +363,7 @@ async def _switch(
     choose: PolicyFn,
     stats: PlacementStats,
     clock: BusyClock,
+    lock: threading.Lock,
 ) -> int:
     """Pause the episodes in flight, sleep, train, wake on the update (or, past
     ``wake_timeout``, on the last good weights), resume the parked episodes first."""
@@ -360,7 +378,7 @@ async def _switch(
     fallback = False
     try:
         update: WeightUpdate | None = await asyncio.wait_for(
-            _timed_train(train, batch, version, stats, clock), config.wake_timeout
+            _timed_train(train, batch, version, stats, clock, lock), config.wake_timeout
         )
     except TimeoutError:
         logger.warning(

@@ -381,8 +381,8 @@ class PlacementSection(_Section, frozen=True):
     sleep_level: int = 1
     wake_timeout: float = 600.0
     # separate only: rollout replicas and trainer threads in this process, moved with
-    # hysteresis when |trainer idle - rollout idle| > autoscale_band for two windows of
-    # window_steps steps; max_replicas and cores bound what it may run
+    # hysteresis when |trainer idle - rollout idle| averaged over two windows of
+    # window_steps steps exceeds autoscale_band; max_replicas and cores bound what it runs
     autoscale: bool = False
     autoscale_band: float = 0.15
     window_steps: int = 2

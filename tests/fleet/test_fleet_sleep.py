@@ -79,3 +79,29 @@ async def test_a_refused_update_at_wake_leaves_the_fleet_asleep(
         await fleet.wake()
         ids, _, _ = await collect_stream(fleet, _request(0))
         assert len(ids) == 32 and fleet.policy_version == 0
+
+
+async def test_the_fleets_sleep_policy_reaches_its_replicas(
+    make_replicas: Any, tiny_model: Path
+) -> None:
+    replicas = await make_replicas("local", 2, tiny_model, **ENGINE)
+    async with FleetBackend(replicas) as fleet:
+        started = asyncio.Event()
+        count = 0
+
+        async def on_token(n: int) -> None:
+            nonlocal count
+            count += 1
+            if count >= 8:
+                started.set()
+
+        tasks = [
+            asyncio.create_task(collect_stream(fleet, _request(i), on_token)) for i in range(4)
+        ]
+        await started.wait()
+        report = await fleet.sleep(1, policy="recompute")
+        # recompute: nothing of the parked requests' KV is kept on the host
+        assert report.parked >= 1 and report.kept_bytes == 0
+        await fleet.wake()
+        results = await asyncio.gather(*tasks)
+    assert all(len(ids) == 32 for ids, _, _ in results)

@@ -20,7 +20,8 @@ def test_a_trainer_short_of_capacity_gets_a_replicas_thread_after_patience() -> 
     assert d is not None and d.direction == "to_trainer"
     assert (d.before, d.after) == (Capacity(2, 1), Capacity(1, 2))
     assert a.capacity == Capacity(1, 2)
-    assert "rollout idle 45%" in d.reason
+    # the decision rests on the mean of the windows, and records it
+    assert abs(d.rollout_idle - 0.475) < 1e-9 and "rollout idle 48%" in d.reason
 
 
 def test_rollout_short_of_capacity_takes_a_thread_back_when_the_cores_are_taken() -> None:
@@ -35,14 +36,22 @@ def test_free_cores_are_not_taken_from_the_trainer() -> None:
     assert d is not None and d.after == Capacity(2, 2)
 
 
-def test_within_the_band_nothing_moves_and_a_flip_resets_the_streak() -> None:
+def test_within_the_band_nothing_moves_and_windows_that_disagree_cancel() -> None:
     a = scaler(patience=2, band=0.2)
     for _ in range(5):
         assert a.observe(0.3, 0.15) is None  # imbalance 0.15 <= band
-    assert a.observe(0.6, 0.0) is None
-    assert a.observe(0.0, 0.6) is None  # the other direction: the streak starts over
-    assert a.observe(0.6, 0.0) is None
-    assert a.decisions == []
+    b = scaler(patience=2, band=0.2)
+    assert b.observe(0.6, 0.0) is None
+    assert b.observe(0.0, 0.6) is None  # the other direction: the mean is 0
+    assert b.observe(0.6, 0.0) is None
+    assert a.decisions == [] and b.decisions == []
+
+
+def test_one_noisy_window_in_the_band_does_not_hold_a_clear_imbalance_back() -> None:
+    a = scaler(patience=2, band=0.15)
+    assert a.observe(0.30, 0.05) is None
+    d = a.observe(0.17, 0.05)  # this window alone is within the band; the mean is not
+    assert d is not None and d.direction == "to_trainer"
 
 
 def test_cooldown_sits_out_windows_after_a_move() -> None:

@@ -4,6 +4,7 @@ delivers, and configuration errors."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +81,28 @@ async def test_separate_pools_sync_after_each_step(tiny_model: Path) -> None:
 async def test_a_trainer_that_never_delivers_wakes_on_the_last_good_weights(
     tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    import threading
+
+    running, most = 0, 0
+    guard = threading.Lock()
+
     def hung(batch: list[Trajectory], base: int) -> Any:
         import time
 
-        time.sleep(1.0)  # longer than wake_timeout: the trainer died or hangs
+        nonlocal running, most
+        with guard:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.5)  # longer than wake_timeout: the trainer died or hangs
+        with guard:
+            running -= 1
         raise RuntimeError("never delivered")
 
     config = PlacementConfig(mode="colocated", sleep_level=2, wake_timeout=0.2)
     stats, version = await _run(tiny_model, config, train=hung, steps=2)
     assert version == 0 and [s.fallback for s in stats.switches] == [True, True]
+    await asyncio.sleep(1.2)  # the late steps finish in their threads
+    assert most == 1  # the second step waited for the one past its timeout
     assert "last good weights" in caplog.text
     assert stats.failed == 0
 
