@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from agentroll.bench.pairs import DEFAULT_PAIRS, check_pairs, paired_ratio
-from agentroll.testing import LONG_TAIL_STOP_IDS, LongTail
-from agentroll.types import SamplingParams, Trajectory
 
 KEYS = (
     "steps_per_s",
@@ -58,34 +56,21 @@ async def run_once(
 ) -> dict[str, Any]:
     """One run of ``steps`` training steps; returns its figures."""
     from agentroll.backends.torch import TorchBackend
+    from agentroll.bench.placement import long_tail_loop
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
-    from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+    from agentroll.rollout.engine import RolloutEngine
     from agentroll.run.autoscale import AutoscaleConfig, Autoscaler, Capacity
     from agentroll.run.capacity import CapacityMover
     from agentroll.run.placement import PlacementConfig, run_placement
-    from agentroll.trainer.algorithm import GRPO
-    from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
 
-    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-5, seed=seed, export="delta"))
-
-    def train(batch: list[Trajectory], base_version: int) -> Any:
-        trainer.step(GRPO.collate(batch, pad_id=0))
-        return trainer.export(base_version)
+    trainer, train, env, config = long_tail_loop(
+        model, seed=seed, batch_groups=batch_groups, samples=samples, max_tokens=96
+    )
 
     def make(i: int) -> LocalReplica:
         return LocalReplica(TorchBackend(model, kv_cache_mb=64), name=f"replica-{i}")
 
-    env = LongTail()
-    config = RolloutConfig(
-        concurrency=batch_groups * samples,
-        samples_per_task=samples,
-        sampling=SamplingParams(
-            temperature=1.0, max_tokens=96, stop_token_ids=LONG_TAIL_STOP_IDS, ignore_eos=True
-        ),
-        seed=seed,
-        progress="off",
-    )
     start = Capacity(replicas, trainer_threads)
     controller = (
         Autoscaler(AutoscaleConfig(cores=cores, max_replicas=max(replicas, cores)), start)

@@ -24,6 +24,38 @@ from agentroll.types import SamplingParams, Trajectory
 MODES = (("separate", True), ("colocated", False), ("colocated", True))
 
 
+def long_tail_loop(
+    model: Path, *, seed: int, batch_groups: int, samples: int, max_tokens: int
+) -> tuple[Any, Any, LongTail, Any]:
+    """The pieces both placement benchmarks run: a GRPO trainer on ``model``, its step as a
+    ``TrainFn`` (delta exports), ``LongTail`` and a rollout config of one batch in flight."""
+    from agentroll.rollout.engine import RolloutConfig
+    from agentroll.trainer.algorithm import GRPO
+    from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-5, seed=seed, export="delta"))
+
+    def train(batch: list[Trajectory], base_version: int) -> Any:
+        trainer.step(GRPO.collate(batch, pad_id=0))
+        return trainer.export(base_version)
+
+    config = RolloutConfig(
+        concurrency=batch_groups * samples,
+        samples_per_task=samples,
+        # a turn ends on one of a twelfth of the ids (about 12 tokens, geometric), never on
+        # the token budget (a turn cut by it ends its episode as truncated)
+        sampling=SamplingParams(
+            temperature=1.0,
+            max_tokens=max_tokens,
+            stop_token_ids=LONG_TAIL_STOP_IDS,
+            ignore_eos=True,
+        ),
+        seed=seed,
+        progress="off",
+    )
+    return trainer, train, LongTail(), config
+
+
 async def run_mode(
     model: Path,
     mode: str,
@@ -39,31 +71,11 @@ async def run_mode(
 ) -> dict[str, Any]:
     """One run of ``steps`` training steps in one placement; returns its figures."""
     from agentroll.backends.torch import TorchBackend
-    from agentroll.rollout.engine import RolloutConfig, RolloutEngine
+    from agentroll.rollout.engine import RolloutEngine
     from agentroll.run.placement import PlacementConfig, run_placement
-    from agentroll.trainer.algorithm import GRPO
-    from agentroll.trainer.grpo import GRPOConfig, GRPOTrainer
 
-    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-5, seed=seed, export="delta"))
-
-    def train(batch: list[Trajectory], base_version: int) -> Any:
-        trainer.step(GRPO.collate(batch, pad_id=0))
-        return trainer.export(base_version)
-
-    env = LongTail()
-    config = RolloutConfig(
-        concurrency=batch_groups * samples,
-        samples_per_task=samples,
-        # a turn ends on one of a twelfth of the ids (about 12 tokens, geometric), never on
-        # the token budget (a turn cut by it ends its episode as truncated)
-        sampling=SamplingParams(
-            temperature=1.0,
-            max_tokens=max_tokens,
-            stop_token_ids=LONG_TAIL_STOP_IDS,
-            ignore_eos=True,
-        ),
-        seed=seed,
-        progress="off",
+    _, train, env, config = long_tail_loop(
+        model, seed=seed, batch_groups=batch_groups, samples=samples, max_tokens=max_tokens
     )
     placement = PlacementConfig(
         mode=mode,  # type: ignore[arg-type]

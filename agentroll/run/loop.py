@@ -229,6 +229,27 @@ def staleness_of(trajectories: list[Trajectory], trainer_version: int) -> dict[s
     return hist
 
 
+def step_fields(step: int, stats: Any, batch: list[Trajectory], version: int) -> dict[str, Any]:
+    """The fields of a ``step`` record: the trainer's ``stats`` of ``step`` on ``batch``,
+    which the trainer took at ``version`` (the staleness is measured against it)."""
+    return {
+        "step": step,
+        "version": stats.version,
+        "reward_mean": stats.reward_mean,
+        "reward_std": stats.reward_std,
+        "trajectories": stats.trajectories,
+        "tokens": stats.tokens,
+        "loss": stats.loss,
+        "clip_fraction": stats.clip_fraction,
+        "kl": stats.kl,
+        "staleness": staleness_of(batch, version),
+        "kv_lagged_tokens": stats.kv_lagged_tokens,
+        "seconds": stats.seconds,
+        "failed": sum(t.status == "failed" for t in batch),
+        "entropy": stats.extra.get("entropy", 0.0),
+    }
+
+
 async def train(
     recipe: Recipe,
     *,
@@ -261,23 +282,7 @@ async def train(
                     batch = algorithm.collate(pending, pad_id=0)
                     stats = await asyncio.to_thread(trainer.step, batch)
                     await client.ack(x.id for x in pending)
-                metrics.event(
-                    "step",
-                    step=step,
-                    version=trainer.version,
-                    reward_mean=stats.reward_mean,
-                    reward_std=stats.reward_std,
-                    trajectories=stats.trajectories,
-                    tokens=stats.tokens,
-                    loss=stats.loss,
-                    clip_fraction=stats.clip_fraction,
-                    kl=stats.kl,
-                    staleness=staleness_of(pending, version),
-                    kv_lagged_tokens=stats.kv_lagged_tokens,
-                    seconds=stats.seconds,
-                    failed=sum(x.status == "failed" for x in pending),
-                    entropy=stats.extra.get("entropy", 0.0),
-                )
+                metrics.event("step", **step_fields(step, stats, pending, version))
                 bar.advance()
                 if (step + 1) % recipe.sync.interval == 0 or step + 1 == recipe.run.steps:
                     with metrics.span("trainer.busy", phase="export+push"):
@@ -337,22 +342,7 @@ async def train_in_process(
             metrics.span_at("trainer.busy", t0, time.time(), step=step)
             last["trained"] = time.time()
         done[0] += 1
-        metrics.event(
-            "step",
-            step=step,
-            version=st.version,
-            reward_mean=st.reward_mean,
-            reward_std=st.reward_std,
-            trajectories=st.trajectories,
-            tokens=st.tokens,
-            loss=st.loss,
-            clip_fraction=st.clip_fraction,
-            kl=st.kl,
-            staleness=staleness_of(batch, version),
-            kv_lagged_tokens=st.kv_lagged_tokens,
-            seconds=st.seconds,
-            failed=sum(t.status == "failed" for t in batch),
-        )
+        metrics.event("step", **step_fields(step, st, batch, version))
         return update
 
     def on_step(step: int, batch: list[Trajectory], _: Any) -> None:

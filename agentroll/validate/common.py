@@ -6,6 +6,7 @@ reference see the same inputs.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,3 +63,28 @@ async def collect_stream(
         if on_token is not None:
             await on_token(len(ids))
     return ids, lps, versions
+
+
+Streamed = tuple[list[int], list[float], list[tuple[int, int]]]
+
+
+async def start_streams(
+    backend: Any, requests: list[GenerationRequest], after_chunks: int
+) -> list[asyncio.Task[Streamed]]:
+    """``collect_stream`` of each request as a task; returns once ``after_chunks`` chunks
+    arrived over all of them (the requests are in flight), or once they all ended."""
+    seen = 0
+    enough = asyncio.Event()
+
+    async def on_token(_: int) -> None:
+        nonlocal seen
+        seen += 1
+        if seen >= after_chunks:
+            enough.set()
+
+    tasks = [asyncio.create_task(collect_stream(backend, r, on_token)) for r in requests]
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(enough.wait())
+    everything: asyncio.Future[Any] = asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.wait([waiter, everything], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    return tasks

@@ -14,7 +14,7 @@ from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.errors import BackendError, ConfigError, WeightSyncError
 from agentroll.fleet import FleetBackend
 from agentroll.testing import SyntheticTrainer
-from agentroll.validate.common import collect_stream
+from agentroll.validate.common import collect_stream, start_streams
 
 KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 ENGINE = {"kv_cache_mb": 4, "max_num_seqs": 16}
@@ -42,19 +42,7 @@ async def test_a_leaving_replicas_calls_move_with_their_kv_and_nothing_restarts(
     expected = await _reference(make_replicas, tiny_model, 6)
     replicas = await make_replicas(kind, 2, tiny_model, **ENGINE)
     async with FleetBackend(replicas) as fleet:
-        started = asyncio.Event()
-        count = 0
-
-        async def on_token(n: int) -> None:
-            nonlocal count
-            count += 1
-            if count >= 12:
-                started.set()
-
-        tasks = [
-            asyncio.create_task(collect_stream(fleet, _request(i), on_token)) for i in range(6)
-        ]
-        await started.wait()
+        tasks = await start_streams(fleet, [_request(i) for i in range(6)], 12)
         leaving = replicas[1].name
         assert fleet.calls_on(leaving), "the test needs calls in flight on the leaving replica"
         await fleet.remove_replica(leaving)

@@ -13,7 +13,7 @@ from agentroll.backends.base import GenerationRequest, SamplingParams
 from agentroll.errors import BackendError, WeightSyncError
 from agentroll.fleet import FleetBackend
 from agentroll.testing import SyntheticTrainer
-from agentroll.validate.common import collect_stream
+from agentroll.validate.common import collect_stream, start_streams
 
 KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 ENGINE = {"kv_cache_mb": 4, "max_num_seqs": 16}
@@ -35,19 +35,7 @@ async def test_fleet_sleeps_and_wakes_with_the_next_version(
     update = SyntheticTrainer(tiny_model).step()
     replicas = await make_replicas(kind, 2, tiny_model, **ENGINE)
     async with FleetBackend(replicas) as fleet:
-        started = asyncio.Event()
-        count = 0
-
-        async def on_token(n: int) -> None:
-            nonlocal count
-            count += 1
-            if count >= 8:
-                started.set()
-
-        tasks = [
-            asyncio.create_task(collect_stream(fleet, _request(i), on_token)) for i in range(4)
-        ]
-        await started.wait()
+        tasks = await start_streams(fleet, [_request(i) for i in range(4)], 8)
         report = await fleet.sleep(2)
         assert fleet.asleep == 2 and report.freed_bytes > 0 and report.parked >= 1
         with pytest.raises(BackendError, match="sleeps already"):
@@ -86,19 +74,7 @@ async def test_the_fleets_sleep_policy_reaches_its_replicas(
 ) -> None:
     replicas = await make_replicas("local", 2, tiny_model, **ENGINE)
     async with FleetBackend(replicas) as fleet:
-        started = asyncio.Event()
-        count = 0
-
-        async def on_token(n: int) -> None:
-            nonlocal count
-            count += 1
-            if count >= 8:
-                started.set()
-
-        tasks = [
-            asyncio.create_task(collect_stream(fleet, _request(i), on_token)) for i in range(4)
-        ]
-        await started.wait()
+        tasks = await start_streams(fleet, [_request(i) for i in range(4)], 8)
         report = await fleet.sleep(1, policy="recompute")
         # recompute: nothing of the parked requests' KV is kept on the host
         assert report.parked >= 1 and report.kept_bytes == 0
