@@ -1,0 +1,331 @@
+"""``agentroll validate --recipe R.toml``: the evidence each optimisation a recipe turns on
+needs, by its risk class (``agentroll.validate.registry``), on the recipe's own model.
+
+Token parity: the recipe's episodes with and without the optimisation, token for token and
+logprob for logprob (weights unchanged, batch-invariant numerics on both sides).
+Distribution: the episodes with and without, two-sample Kolmogorov-Smirnov tests on the
+sampled tokens' logprobs, response lengths and rewards.  Unit: a bit-exact round trip.
+Invariant: a verdict is ``pass`` or ``fail`` only when its check ran; an optimisation whose
+check is not built yet says ``unchecked`` and the command exits non-zero for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from agentroll.errors import ConfigError, require
+from agentroll.run.recipe import Recipe
+from agentroll.types import Trajectory
+from agentroll.validate.common import CheckResult
+from agentroll.validate.registry import Optimisation, enabled
+
+VerdictName = Literal["pass", "fail", "unchecked"]
+
+#: a KS statistic (the largest gap between the two CDFs) above this fails a distribution check
+KS_TOLERANCE = 0.2
+#: distribution tests need at least this many episodes per side to mean anything
+MIN_EPISODES = 16
+
+
+class Verdict(msgspec.Struct, kw_only=True):
+    """One row of the validate table."""
+
+    optimisation: str
+    risk: str
+    check: str
+    figure: str
+    verdict: VerdictName
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"optimisation={self.optimisation} class={self.risk} check={self.check} "
+            f"verdict={self.verdict} {self.figure}"
+        ).rstrip()
+
+
+# -- running the recipe's episodes ----------------------------------------------------------
+
+
+async def recipe_episodes(
+    recipe: Recipe, model: Path, episodes: int, **engine: Any
+) -> list[Trajectory]:
+    """``episodes`` episodes of the recipe's environment on one built-in engine with the
+    recipe's settings and ``engine`` overrides (batch-invariant), weights unchanged; sorted
+    by (task, sample) so two runs compare pair by pair."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import build_environment, rollout_config
+
+    b = recipe.backend
+    settings: dict[str, Any] = {
+        "dtype": b.dtype,
+        "kv_cache_mb": b.kv_cache_mb,
+        "max_num_seqs": b.max_num_seqs,
+        "max_num_batched_tokens": b.prefill_budget,
+        "batch_invariant": True,
+        **engine,
+    }
+    env = build_environment(recipe)
+    n = recipe.rollout.samples_per_task
+    tasks = list(env.tasks())[: max(1, math.ceil(episodes / n))]
+    async with (
+        TorchBackend(str(model), **settings) as backend,
+        RolloutEngine(backend, env, rollout_config(recipe)) as engine_,
+    ):
+        out = [t async for t in engine_.run(tasks)]
+    return sorted(out, key=lambda t: (t.task_id, t.sample_index))
+
+
+def _sampled(t: Trajectory) -> tuple[list[int], list[float]]:
+    mask = t.loss_mask.astype(bool)
+    return t.token_ids[mask].tolist(), t.logprobs[mask].tolist()
+
+
+def token_parity(a: list[Trajectory], b: list[Trajectory]) -> tuple[bool, str]:
+    """Whether the two runs sampled the same tokens with the same logprobs, and the figure."""
+    pairs = list(zip(a, b, strict=False))
+    differ = 0
+    first = ""
+    max_lp = 0.0
+    for x, y in pairs:
+        (ids_x, lx), (ids_y, ly) = _sampled(x), _sampled(y)
+        if ids_x != ids_y:
+            differ += 1
+            if not first:
+                at = next(
+                    (i for i, (p, q) in enumerate(zip(ids_x, ids_y, strict=False)) if p != q), None
+                )
+                at = min(len(ids_x), len(ids_y)) if at is None else at
+                first = f" first_diff={x.task_id}/{x.sample_index}@{at}"
+            continue
+        max_lp = max([max_lp, *(abs(p - q) for p, q in zip(lx, ly, strict=True))])
+    same = differ == 0 and len(a) == len(b) and max_lp == 0.0
+    return same, (f"episodes={len(pairs)} differ={differ} max_abs_logprob_diff={max_lp:.3g}{first}")
+
+
+def ks_compare(with_: list[Trajectory], without: list[Trajectory]) -> tuple[bool, str]:
+    """Two-sample KS on sampled-token logprobs, response lengths and rewards: each statistic
+    must stay within ``KS_TOLERANCE``; the figure gives statistic and p-value of each."""
+    ks_2samp = require("scipy.stats", "validate").ks_2samp
+
+    def series(ts: list[Trajectory]) -> dict[str, list[float]]:
+        return {
+            "logprob": [lp for t in ts for lp in _sampled(t)[1]],
+            "length": [float(t.num_generated) for t in ts],
+            "reward": [float(t.reward) for t in ts],
+        }
+
+    sa, sb = series(with_), series(without)
+    ok = True
+    parts = []
+    for key in ("logprob", "length", "reward"):
+        x, y = sa[key], sb[key]
+        if len(set(x) | set(y)) <= 1:  # both constant and equal: no difference to test
+            parts.append(f"{key}_ks=0.000")
+            continue
+        res = ks_2samp(x, y)
+        stat, p = float(res.statistic), float(res.pvalue)
+        ok = ok and stat <= KS_TOLERANCE
+        parts.append(f"{key}_ks={stat:.3f} {key}_p={p:.3g}")
+    return ok, " ".join(parts) + f" tolerance={KS_TOLERANCE}"
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _from_result(r: CheckResult) -> tuple[bool, str]:
+    figs = " ".join(f"{k}={v}" for k, v in r.figures.items())
+    return r.passed, f"{r.name}: {figs}"
+
+
+Check = Callable[[Recipe, Path, int], tuple[bool, str]]
+
+
+def _episodes_pair(
+    recipe: Recipe, model: Path, episodes: int, without: dict[str, Any]
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    async def both() -> tuple[list[Trajectory], list[Trajectory]]:
+        a = await recipe_episodes(recipe, model, episodes)
+        b = await recipe_episodes(recipe, model, episodes, **without)
+        return a, b
+
+    return asyncio.run(both())
+
+
+def _parity_without(**without: Any) -> Check:
+    def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+        a, b = _episodes_pair(recipe, model, episodes, without)
+        return token_parity(a, b)
+
+    return check
+
+
+def _distribution_without(**without: Any) -> Check:
+    def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+        if episodes < MIN_EPISODES:
+            raise ConfigError(
+                f"--episodes {episodes} is too few for a distribution test: use at least "
+                f"{MIN_EPISODES} (64 or more for a test with power)"
+            )
+        a, b = _episodes_pair(recipe, model, episodes, without)
+        return ks_compare(a, b)
+
+    return check
+
+
+def _existing(fn: Callable[[Path], Any]) -> Check:
+    def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+        got = fn(model)
+        if asyncio.iscoroutine(got):
+            got = asyncio.run(got)
+        return _from_result(got)
+
+    return check
+
+
+def check_delta_roundtrip(model: Path, updates: int = 3) -> CheckResult:
+    """Delta updates of a changing model applied to an engine: after each, the digest the
+    engine recomputes from its live bytes equals the trainer's."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.testing import SyntheticTrainer
+    from agentroll.weights.update import model_digest, state_checksums
+
+    trainer = SyntheticTrainer(model)
+
+    async def run() -> tuple[int, int, int]:
+        equal = payload = 0
+        async with TorchBackend(model) as backend:
+            for _ in range(updates):
+                update = trainer.step()
+                payload += update.payload_bytes
+                await backend.pause()
+                await backend.apply(update)
+                await backend.resume()
+                live = backend.engine.weight_store().verify()
+                equal += live == model_digest(state_checksums(trainer.state))
+            return equal, payload, backend.policy_version
+
+    equal, payload, version = asyncio.run(run())
+    return CheckResult(
+        "delta_roundtrip",
+        equal == updates and version == updates,
+        {"updates": updates, "digest_equal": f"{equal}/{updates}", "payload_bytes": payload},
+    )
+
+
+def _checks() -> dict[str, Check]:
+    from agentroll.validate.checkpoint import check_episode_checkpoint_parity
+    from agentroll.validate.layout import check_layout_roundtrip
+    from agentroll.validate.parity import (
+        check_reference_parity,
+        check_token_parity_migrate,
+        check_token_parity_pause,
+    )
+
+    return {
+        "unit:delta_roundtrip": _existing(check_delta_roundtrip),
+        "unit:layout_roundtrip": _existing(check_layout_roundtrip),
+        "token_parity:prefix_cache": _parity_without(enable_prefix_caching=False),
+        "token_parity:chunked_prefill": _parity_without(max_num_batched_tokens=1 << 16),
+        "token_parity:reference": _existing(check_reference_parity),
+        "token_parity:pause_resume": _existing(check_token_parity_pause),
+        "token_parity:migrate": _existing(check_token_parity_migrate),
+        "token_parity:checkpoint": _existing(check_episode_checkpoint_parity),
+        "distribution:dtype": _distribution_without(dtype="float32"),
+    }
+
+
+def validate_recipe(
+    recipe: Recipe,
+    model: Path,
+    *,
+    episodes: int = 64,
+    only: str | None = None,
+    risk: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    extra: dict[str, Check] | None = None,
+) -> list[Verdict]:
+    """A verdict for each optimisation ``recipe`` turns on (``only``/``risk`` select);
+    ``extra`` adds or replaces checks by name (tests use it for broken optimisations)."""
+    if episodes < 1:
+        raise ConfigError("--episodes must be at least 1")
+    checks = {**_checks(), **(extra or {})}
+    out: list[Verdict] = []
+    for o in enabled(recipe, only=only, risk=risk):
+        out.append(_run_one(o, checks.get(o.check), recipe, model, episodes, progress))
+    return out
+
+
+def _run_one(
+    o: Optimisation,
+    check: Check | None,
+    recipe: Recipe,
+    model: Path,
+    episodes: int,
+    progress: Callable[[str], None] | None,
+) -> Verdict:
+    if progress is not None:
+        progress(f"validating {o.name} ({o.risk}: {o.check})")
+    if check is None:
+        return Verdict(
+            optimisation=o.name,
+            risk=o.risk,
+            check=o.check,
+            figure="no check of this class is built for it yet",
+            verdict="unchecked",
+        )
+    t0 = time.perf_counter()
+    passed, figure = check(recipe, model, episodes)
+    return Verdict(
+        optimisation=o.name,
+        risk=o.risk,
+        check=o.check,
+        figure=figure,
+        verdict="pass" if passed else "fail",
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def write_report(verdicts: list[Verdict], out_dir: Path, recipe_name: str) -> Path:
+    """``out_dir/report.md``: the table (optimisation, class, check, figure, verdict)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [
+        f"| {v.optimisation} | {v.risk} | `{v.check}` | {v.figure} | {v.verdict} |"
+        for v in verdicts
+    ]
+    counts = {k: sum(v.verdict == k for v in verdicts) for k in ("pass", "fail", "unchecked")}
+    text = "\n".join(
+        [
+            f"# validate: {recipe_name}",
+            "",
+            f"{counts['pass']} passed, {counts['fail']} failed, {counts['unchecked']} unchecked.",
+            "",
+            "| optimisation | class | check | figure | verdict |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+    path = out_dir / "report.md"
+    path.write_text(text)
+    return path
+
+
+__all__ = [
+    "KS_TOLERANCE",
+    "MIN_EPISODES",
+    "Verdict",
+    "ks_compare",
+    "recipe_episodes",
+    "token_parity",
+    "validate_recipe",
+    "write_report",
+]
