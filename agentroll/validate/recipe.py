@@ -89,6 +89,51 @@ def _sampled(t: Trajectory) -> tuple[list[int], list[float]]:
     return t.token_ids[mask].tolist(), t.logprobs[mask].tolist()
 
 
+async def synced_episodes(
+    recipe: Recipe, model: Path, episodes: int, policy: str, after_steps: int = 8
+) -> tuple[list[Trajectory], int]:
+    """As ``recipe_episodes``, with one weight update (a seeded perturbation of a twentieth
+    of the weights, about a training step's) synced in with ``policy`` once the engine has
+    run ``after_steps`` steps; returns the episodes and how many sampled tokens attended
+    to KV of the old weights (``kv_version < policy_version``)."""
+    from agentroll.backends.torch import TorchBackend
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import build_environment, rollout_config
+    from agentroll.testing import SyntheticTrainer
+
+    b = recipe.backend
+    update = SyntheticTrainer(model, fraction=0.05, seed=1).step()
+    env = build_environment(recipe)
+    n = recipe.rollout.samples_per_task
+    tasks = list(env.tasks())[: max(1, math.ceil(episodes / n))]
+    async with (
+        TorchBackend(
+            str(model),
+            dtype=b.dtype,
+            kv_cache_mb=b.kv_cache_mb,
+            max_num_seqs=b.max_num_seqs,
+            max_num_batched_tokens=b.prefill_budget,
+            batch_invariant=True,
+        ) as backend,
+        RolloutEngine(backend, env, rollout_config(recipe)) as engine,
+    ):
+
+        async def collect() -> list[Trajectory]:
+            return [t async for t in engine.run(tasks)]
+
+        running = asyncio.create_task(collect())
+        # the engine counts its steps on its own thread: nothing to wait on but the count
+        while backend.steps < after_steps and not running.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        if not running.done():
+            await engine.sync(update, policy=policy)  # type: ignore[arg-type]
+        out = await running
+    lagged = sum(
+        int(((t.kv_version < t.policy_version) & t.loss_mask.astype(bool)).sum()) for t in out
+    )
+    return sorted(out, key=lambda t: (t.task_id, t.sample_index)), lagged
+
+
 def token_parity(a: list[Trajectory], b: list[Trajectory]) -> tuple[bool, str]:
     """Whether the two runs sampled the same tokens with the same logprobs, and the figure."""
     pairs = list(zip(a, b, strict=False))
@@ -168,17 +213,41 @@ def _parity_without(**without: Any) -> Check:
     return check
 
 
+def _enough(episodes: int) -> None:
+    if episodes < MIN_EPISODES:
+        raise ConfigError(
+            f"--episodes {episodes} is too few for a distribution test: use at least "
+            f"{MIN_EPISODES} (64 or more for a test with power)"
+        )
+
+
 def _distribution_without(**without: Any) -> Check:
     def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
-        if episodes < MIN_EPISODES:
-            raise ConfigError(
-                f"--episodes {episodes} is too few for a distribution test: use at least "
-                f"{MIN_EPISODES} (64 or more for a test with power)"
-            )
+        _enough(episodes)
         a, b = _episodes_pair(recipe, model, episodes, without)
         return ks_compare(a, b)
 
     return check
+
+
+def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """Keep-KV resume under new weights against recompute, both with one update landing
+    mid-generation: the distributions of what they sample must agree."""
+    _enough(episodes)
+
+    async def both() -> tuple[tuple[list[Trajectory], int], tuple[list[Trajectory], int]]:
+        keep = await synced_episodes(recipe, model, episodes, "keep")
+        recompute = await synced_episodes(recipe, model, episodes, "recompute")
+        return keep, recompute
+
+    (keep, lagged), (recompute, _) = asyncio.run(both())
+    if lagged == 0:
+        return (
+            False,
+            "kv_lagged_tokens=0: the update landed between generations; use more --episodes",
+        )
+    ok, figure = ks_compare(keep, recompute)
+    return ok, f"kv_lagged_tokens={lagged} {figure}"
 
 
 def _existing(fn: Callable[[Path], Any]) -> Check:
@@ -240,6 +309,7 @@ def _checks() -> dict[str, Check]:
         "token_parity:migrate": _existing(check_token_parity_migrate),
         "token_parity:checkpoint": _existing(check_episode_checkpoint_parity),
         "distribution:dtype": _distribution_without(dtype="float32"),
+        "distribution:resume_policy": _resume_policy,
     }
 
 

@@ -167,3 +167,14 @@ def test_the_command_writes_the_table_and_its_exit_status_says_what_was_found(
     assert "| prefix_caching | token_parity |" in (run / "validate" / "report.md").read_text()
     assert main([*base, "--class", "end_to_end"]) == 2  # no end-to-end check is built yet
     assert "verdict=unchecked" in capsys.readouterr().out
+
+
+def test_keep_kv_under_new_weights_is_compared_with_recompute_across_a_real_sync(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    recipe, model = recipe_and_model
+    (v,) = validate_recipe(recipe, model, episodes=16, only="keep_kv_under_new_weights")  # type: ignore[arg-type]
+    assert v.risk == "distribution" and v.verdict == "pass", v.figure
+    lagged = int(v.figure.split("kv_lagged_tokens=")[1].split()[0])
+    assert lagged > 0  # the update landed mid-generation: keep really attended to old KV
+    assert "logprob_ks=" in v.figure and "length_ks=" in v.figure
