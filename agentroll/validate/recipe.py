@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -54,15 +55,10 @@ class Verdict(msgspec.Struct, kw_only=True):
 # -- running the recipe's episodes ----------------------------------------------------------
 
 
-async def recipe_episodes(
-    recipe: Recipe, model: Path, episodes: int, **engine: Any
-) -> list[Trajectory]:
-    """``episodes`` episodes of the recipe's environment on one built-in engine with the
-    recipe's settings and ``engine`` overrides (batch-invariant), weights unchanged; sorted
-    by (task, sample) so two runs compare pair by pair."""
+def _engine(recipe: Recipe, model: Path, **engine: Any) -> Any:
+    """A built-in engine with the recipe's ``[backend]`` settings, batch-invariant, and
+    ``engine`` overrides."""
     from agentroll.backends.torch import TorchBackend
-    from agentroll.rollout.engine import RolloutEngine
-    from agentroll.run.build import build_environment, rollout_config
 
     b = recipe.backend
     settings: dict[str, Any] = {
@@ -73,65 +69,90 @@ async def recipe_episodes(
         "batch_invariant": True,
         **engine,
     }
+    return TorchBackend(str(model), **settings)
+
+
+def _tasks(recipe: Recipe, episodes: int) -> tuple[Any, list[Any]]:
+    from agentroll.run.build import build_environment
+
     env = build_environment(recipe)
     n = recipe.rollout.samples_per_task
-    tasks = list(env.tasks())[: max(1, math.ceil(episodes / n))]
-    async with (
-        TorchBackend(str(model), **settings) as backend,
-        RolloutEngine(backend, env, rollout_config(recipe)) as engine_,
-    ):
-        out = [t async for t in engine_.run(tasks)]
+    return env, list(env.tasks())[: max(1, math.ceil(episodes / n))]
+
+
+def _ordered(out: list[Trajectory]) -> list[Trajectory]:
     return sorted(out, key=lambda t: (t.task_id, t.sample_index))
 
 
-def _sampled(t: Trajectory) -> tuple[list[int], list[float]]:
-    mask = t.loss_mask.astype(bool)
-    return t.token_ids[mask].tolist(), t.logprobs[mask].tolist()
+async def recipe_episodes(
+    recipe: Recipe, model: Path, episodes: int, **engine: Any
+) -> list[Trajectory]:
+    """``episodes`` episodes of the recipe's environment on one built-in engine with the
+    recipe's settings and ``engine`` overrides (batch-invariant), weights unchanged; sorted
+    by (task, sample) so two runs compare pair by pair."""
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import rollout_config
+
+    env, tasks = _tasks(recipe, episodes)
+    async with (
+        _engine(recipe, model, **engine) as backend,
+        RolloutEngine(backend, env, rollout_config(recipe)) as engine_,
+    ):
+        out = [t async for t in engine_.run(tasks)]
+    return _ordered(out)
 
 
 async def synced_episodes(
-    recipe: Recipe, model: Path, episodes: int, policy: str, after_steps: int = 8
+    recipe: Recipe,
+    model: Path,
+    episodes: int,
+    policy: str,
+    *,
+    replicas: int = 1,
+    strategy: str | None = None,
+    after_steps: int = 8,
 ) -> tuple[list[Trajectory], int]:
-    """As ``recipe_episodes``, with one weight update (a seeded perturbation of a twentieth
-    of the weights, about a training step's) synced in with ``policy`` once the engine has
-    run ``after_steps`` steps; returns the episodes and how many sampled tokens attended
-    to KV of the old weights (``kv_version < policy_version``)."""
-    from agentroll.backends.torch import TorchBackend
+    """As ``recipe_episodes`` (on a fleet of ``replicas`` engines when more than one), with
+    one weight update (a seeded perturbation of a twentieth of the weights, about a training
+    step's) synced in with ``policy`` and ``strategy`` once the engines have run
+    ``after_steps`` steps; returns the episodes and how many sampled tokens attended to KV
+    of the old weights (``kv_version < policy_version``)."""
+    from agentroll.fleet.backend import FleetBackend
+    from agentroll.fleet.replica import LocalReplica
     from agentroll.rollout.engine import RolloutEngine
-    from agentroll.run.build import build_environment, rollout_config
+    from agentroll.run.build import rollout_config
     from agentroll.testing import SyntheticTrainer
 
-    b = recipe.backend
     update = SyntheticTrainer(model, fraction=0.05, seed=1).step()
-    env = build_environment(recipe)
-    n = recipe.rollout.samples_per_task
-    tasks = list(env.tasks())[: max(1, math.ceil(episodes / n))]
-    async with (
-        TorchBackend(
-            str(model),
-            dtype=b.dtype,
-            kv_cache_mb=b.kv_cache_mb,
-            max_num_seqs=b.max_num_seqs,
-            max_num_batched_tokens=b.prefill_budget,
-            batch_invariant=True,
-        ) as backend,
-        RolloutEngine(backend, env, rollout_config(recipe)) as engine,
-    ):
+    env, tasks = _tasks(recipe, episodes)
+    engines = [_engine(recipe, model) for _ in range(replicas)]
+    backend: Any = engines[0]
+    if replicas > 1:
+        backend = FleetBackend(
+            [LocalReplica(e, name=f"replica-{i}") for i, e in enumerate(engines)],
+            strategy=strategy or "pause",  # type: ignore[arg-type]
+        )
+    async with backend, RolloutEngine(backend, env, rollout_config(recipe)) as engine:
 
         async def collect() -> list[Trajectory]:
             return [t async for t in engine.run(tasks)]
 
         running = asyncio.create_task(collect())
-        # the engine counts its steps on its own thread: nothing to wait on but the count
-        while backend.steps < after_steps and not running.done():  # noqa: ASYNC110
+        # the engines count their steps on their own threads: nothing to wait on but the count
+        while sum(e.steps for e in engines) < after_steps and not running.done():  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         if not running.done():
-            await engine.sync(update, policy=policy)  # type: ignore[arg-type]
+            await engine.sync(update, policy=policy, strategy=strategy)  # type: ignore[arg-type]
         out = await running
     lagged = sum(
         int(((t.kv_version < t.policy_version) & t.loss_mask.astype(bool)).sum()) for t in out
     )
-    return sorted(out, key=lambda t: (t.task_id, t.sample_index)), lagged
+    return _ordered(out), lagged
+
+
+def _sampled(t: Trajectory) -> tuple[list[int], list[float]]:
+    mask = t.loss_mask.astype(bool)
+    return t.token_ids[mask].tolist(), t.logprobs[mask].tolist()
 
 
 def token_parity(a: list[Trajectory], b: list[Trajectory]) -> tuple[bool, str]:
@@ -176,7 +197,9 @@ def ks_compare(with_: list[Trajectory], without: list[Trajectory]) -> tuple[bool
         if len(set(x) | set(y)) <= 1:  # both constant and equal: no difference to test
             parts.append(f"{key}_ks=0.000")
             continue
-        res = ks_2samp(x, y)
+        with warnings.catch_warnings():  # "exact calculation unsuccessful": asymptotic then
+            warnings.simplefilter("ignore", RuntimeWarning)
+            res = ks_2samp(x, y)
         stat, p = float(res.statistic), float(res.pvalue)
         ok = ok and stat <= KS_TOLERANCE
         parts.append(f"{key}_ks={stat:.3f} {key}_p={p:.3g}")
@@ -250,6 +273,30 @@ def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, st
     return ok, f"kv_lagged_tokens={lagged} {figure}"
 
 
+def _rolling(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """The recipe's rolling (or background) update over its replicas, episodes running on
+    mixed versions, against all replicas paused and updated at once."""
+    _enough(episodes)
+    n = recipe.backend.replicas
+
+    async def both() -> tuple[tuple[list[Trajectory], int], tuple[list[Trajectory], int]]:
+        policy = "keep" if recipe.sync.policy == "staleness" else recipe.sync.policy
+        mixed = await synced_episodes(
+            recipe, model, episodes, policy, replicas=n, strategy=recipe.sync.strategy
+        )
+        at_once = await synced_episodes(
+            recipe, model, episodes, policy, replicas=n, strategy="pause"
+        )
+        return mixed, at_once
+
+    (mixed, _), (at_once, _) = asyncio.run(both())
+    versions = {int(v) for t in mixed for v in t.policy_version[t.loss_mask.astype(bool)]}
+    if len(versions) < 2:
+        return False, f"versions={sorted(versions)}: the update landed after the episodes"
+    ok, figure = ks_compare(mixed, at_once)
+    return ok, f"replicas={n} versions={sorted(versions)} {figure}"
+
+
 def _existing(fn: Callable[[Path], Any]) -> Check:
     def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
         got = fn(model)
@@ -310,6 +357,7 @@ def _checks() -> dict[str, Check]:
         "token_parity:checkpoint": _existing(check_episode_checkpoint_parity),
         "distribution:dtype": _distribution_without(dtype="float32"),
         "distribution:resume_policy": _resume_policy,
+        "distribution:rolling": _rolling,
     }
 
 

@@ -178,3 +178,15 @@ def test_keep_kv_under_new_weights_is_compared_with_recompute_across_a_real_sync
     lagged = int(v.figure.split("kv_lagged_tokens=")[1].split()[0])
     assert lagged > 0  # the update landed mid-generation: keep really attended to old KV
     assert "logprob_ks=" in v.figure and "length_ks=" in v.figure
+
+
+def test_rolling_updates_are_compared_with_an_update_at_once(tmp_path: Path) -> None:
+    from agentroll.run.loop import prepare_model
+
+    repo = Path(__file__).resolve().parents[2]
+    text = RECIPE.format(traces=repo / "examples/data/calculator_traces.jsonl")
+    recipe = parse_recipe(text.replace("[backend]\n", "[backend]\nreplicas = 2\n"))
+    model = prepare_model(recipe, tmp_path)
+    (v,) = validate_recipe(recipe, model, episodes=16, only="rolling_updates")
+    assert v.verdict == "pass", v.figure
+    assert "replicas=2 versions=[0, 1]" in v.figure  # episodes really ran on mixed versions
