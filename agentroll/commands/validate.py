@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=None, help="--recipe: where validate/report.md goes (default: new)"
     )
+    parser.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="--recipe: validate on the model before the recipe's warm-up",
+    )
 
 
 def main_recipe(args: argparse.Namespace) -> int:
@@ -46,6 +51,14 @@ def main_recipe(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="agentroll-validate-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     model = prepare_model(recipe, run_dir)
+    if recipe.warmup.steps and not args.skip_warmup:
+        import asyncio
+
+        from agentroll.run.loop import demonstrations, warmup
+
+        # the model RL starts from is the warmed-up one: validate that one
+        print(f"warm-up: {recipe.warmup.steps} supervised steps, as the recipe", file=sys.stderr)
+        model = warmup(recipe, model, run_dir, asyncio.run(demonstrations(recipe, model)))
     verdicts = validate_recipe(
         recipe,
         model,

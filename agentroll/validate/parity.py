@@ -91,7 +91,7 @@ e = LLMEngine(EngineConfig(model=model, batch_invariant=True, device=device))
 ids, lps = [], []
 if mode == "first":
     prompt = [int(x) for x in sys.argv[6].split(",")]
-    e.add_request("m", prompt, SamplingParams(temperature=1.0, max_tokens=int(sys.argv[7]), seed=7, stop_token_ids=()))
+    e.add_request("m", prompt, SamplingParams(temperature=1.0, max_tokens=int(sys.argv[7]), seed=7, stop_token_ids=(), ignore_eos=True))
     for _ in range(int(sys.argv[8])):
         for o in e.step():
             ids.append(o.token_id); lps.append(o.logprob)
@@ -118,7 +118,10 @@ def check_token_parity_migrate(
     engine.add_request(
         "m",
         prompt,
-        SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=7, stop_token_ids=()),
+        # a trained model may end early: the split must fall inside the generation
+        SamplingParams(
+            temperature=1.0, max_tokens=max_tokens, seed=7, stop_token_ids=(), ignore_eos=True
+        ),
     )
     ref_ids, ref_lps = [], []
     while engine.has_work():

@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -26,6 +26,9 @@ from agentroll.run.recipe import Recipe
 from agentroll.types import Trajectory
 from agentroll.validate.common import CheckResult
 from agentroll.validate.registry import Optimisation, enabled
+
+if TYPE_CHECKING:
+    from agentroll.weights.update import WeightUpdate
 
 VerdictName = Literal["pass", "fail", "unchecked"]
 
@@ -85,11 +88,17 @@ def _ordered(out: list[Trajectory]) -> list[Trajectory]:
 
 
 async def recipe_episodes(
-    recipe: Recipe, model: Path, episodes: int, **engine: Any
+    recipe: Recipe,
+    model: Path,
+    episodes: int,
+    *,
+    update: WeightUpdate | None = None,
+    **engine: Any,
 ) -> list[Trajectory]:
     """``episodes`` episodes of the recipe's environment on one built-in engine with the
-    recipe's settings and ``engine`` overrides (batch-invariant), weights unchanged; sorted
-    by (task, sample) so two runs compare pair by pair."""
+    recipe's settings and ``engine`` overrides (batch-invariant), on the model's weights or
+    ``update`` applied to them, unchanged during the run; sorted by (task, sample) so two
+    runs compare pair by pair."""
     from agentroll.rollout.engine import RolloutEngine
     from agentroll.run.build import rollout_config
 
@@ -98,6 +107,8 @@ async def recipe_episodes(
         _engine(recipe, model, **engine) as backend,
         RolloutEngine(backend, env, rollout_config(recipe)) as engine_,
     ):
+        if update is not None:
+            await engine_.sync(update)
         out = [t async for t in engine_.run(tasks)]
     return _ordered(out)
 
@@ -273,6 +284,49 @@ def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, st
     return ok, f"kv_lagged_tokens={lagged} {figure}"
 
 
+def staleness_lag(recipe: Recipe) -> int:
+    """Versions a trained trajectory may lag the trainer under the recipe: its staleness
+    bound, or the sync interval's lag; 4 for an unbounded buffer (a typical lag)."""
+    bound = recipe.buffer.max_staleness
+    return max(1, recipe.sync.interval - 1, 4 if bound is None else bound)
+
+
+def _staleness(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """Episodes of the weights ``staleness_lag`` training steps old (the recipe's trainer
+    on the recipe's own episodes) against episodes of the trained weights: how far apart
+    the samples a stale batch holds are from the on-policy ones."""
+    from agentroll.run.loop import build_trainer
+
+    _enough(episodes)
+    lag = staleness_lag(recipe)
+    trainer, algorithm = build_trainer(recipe, model)
+
+    async def both() -> tuple[list[Trajectory], list[Trajectory], float]:
+        stale = await recipe_episodes(recipe, model, episodes)
+        size = recipe.trainer.batch_size
+        moved = 0.0
+        for step in range(lag):
+            start = (step * size) % max(1, len(stale))
+            batch = (stale * (1 + size // max(1, len(stale))))[start : start + size]
+            before = {n: p.detach().clone() for n, p in trainer.params.items()}
+            await asyncio.to_thread(trainer.step, algorithm.collate(batch, pad_id=0))
+            moved = max(
+                moved,
+                max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.params.items()),
+            )
+        fresh = await recipe_episodes(recipe, model, episodes, update=trainer.export(0))
+        return stale, fresh, moved
+
+    stale, fresh, moved = asyncio.run(both())
+    if moved == 0.0:
+        return False, (
+            f"lag={lag} max_weight_change=0: the recipe's rewards gave the trainer nothing to "
+            "learn on this model (validate with its warmed-up or trained checkpoint)"
+        )
+    ok, figure = ks_compare(stale, fresh)
+    return ok, f"lag={lag} max_weight_change={moved:.3g} {figure}"
+
+
 def _rolling(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
     """The recipe's rolling (or background) update over its replicas, episodes running on
     mixed versions, against all replicas paused and updated at once."""
@@ -358,6 +412,7 @@ def _checks() -> dict[str, Check]:
         "distribution:dtype": _distribution_without(dtype="float32"),
         "distribution:resume_policy": _resume_policy,
         "distribution:rolling": _rolling,
+        "distribution:staleness": _staleness,
     }
 
 

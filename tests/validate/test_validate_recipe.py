@@ -190,3 +190,16 @@ def test_rolling_updates_are_compared_with_an_update_at_once(tmp_path: Path) -> 
     (v,) = validate_recipe(recipe, model, episodes=16, only="rolling_updates")
     assert v.verdict == "pass", v.figure
     assert "replicas=2 versions=[0, 1]" in v.figure  # episodes really ran on mixed versions
+
+
+def test_staleness_on_a_model_with_nothing_to_learn_fails_instead_of_passing_vacuously(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    from agentroll.validate.recipe import staleness_lag
+
+    recipe, model = recipe_and_model
+    assert staleness_lag(recipe) == 1  # type: ignore[arg-type]
+    (v,) = validate_recipe(recipe, model, episodes=16, only="bounded_staleness")  # type: ignore[arg-type]
+    # an untrained tiny model solves nothing: every advantage is 0 and the weights stay put
+    assert v.verdict == "fail" and "max_weight_change=0: " in v.figure
+    assert "nothing to learn" in v.figure
