@@ -58,7 +58,11 @@ def probe_config(*, concurrency: int = 3, seed: int = 0) -> RolloutConfig:
         seed=seed,
         progress="off",
         tool_parser=PARSER,
-        sampling=SamplingParams(temperature=1.0, max_tokens=64, stop_token_ids=STOP_IDS),
+        # EOS ignored: a trained model would end its turns early, and the check needs
+        # turns long enough to be signalled in the middle of
+        sampling=SamplingParams(
+            temperature=1.0, max_tokens=64, stop_token_ids=STOP_IDS, ignore_eos=True
+        ),
     )
 
 
