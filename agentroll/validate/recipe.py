@@ -327,6 +327,66 @@ def _staleness(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
     return ok, f"lag={lag} max_weight_change={moved:.3g} {figure}"
 
 
+#: training steps of each side of an end-to-end comparison
+E2E_STEPS = 8
+#: mean rewards of the last half of the steps may differ by this much (absolute)
+E2E_TOLERANCE = 0.15
+
+
+def reward_curve(recipe: Recipe, model: Path, lag: int, steps: int = E2E_STEPS) -> list[float]:
+    """A short synchronous training run of the recipe's trainer on the recipe's episodes
+    (``trainer.batch_size`` a step), each batch sampled by the weights ``lag`` steps older
+    than the trainer's; returns the mean reward of each step's batch."""
+    from agentroll.run.loop import build_trainer
+
+    trainer, algorithm = build_trainer(recipe, model)
+
+    async def run() -> list[float]:
+        history: list[WeightUpdate | None] = [None]  # the weights after each step, full
+        rewards = []
+        for step in range(steps):
+            weights = history[max(0, step - lag)]
+            batch = await recipe_episodes(recipe, model, recipe.trainer.batch_size, update=weights)
+            rewards.append(sum(t.reward for t in batch) / max(1, len(batch)))
+            await asyncio.to_thread(trainer.step, algorithm.collate(batch, pad_id=0))
+            history.append(trainer.export(-1))  # no replica is at -1: a full update
+        return rewards
+
+    return asyncio.run(run())
+
+
+def _curves(
+    recipe: Recipe, model: Path, lag_with: int, lag_without: int, without: Recipe
+) -> tuple[bool, str]:
+    a = reward_curve(recipe, model, lag_with)
+    b = reward_curve(without, model, lag_without)
+    half = len(a) // 2
+    end_a, end_b = sum(a[half:]) / len(a[half:]), sum(b[half:]) / len(b[half:])
+    ok = abs(end_a - end_b) <= E2E_TOLERANCE
+    return ok, (
+        f"steps={len(a)} reward_start={a[0]:.3f}/{b[0]:.3f} reward_end={end_a:.3f}/{end_b:.3f} "
+        f"(with/without) band={E2E_TOLERANCE}"
+    )
+
+
+def _async_off_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """Training on batches ``staleness_lag`` versions old against on-policy batches."""
+    lag = staleness_lag(recipe)
+    ok, figure = _curves(recipe, model, lag, 0, recipe)
+    return ok, f"lag={lag} {figure}"
+
+
+def _importance_cap(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """The recipe's importance-weight cap against no cap, both on stale batches (on-policy
+    tokens have weight 1: the cap does nothing there)."""
+    lag = staleness_lag(recipe)
+    uncapped = msgspec.structs.replace(
+        recipe, trainer=msgspec.structs.replace(recipe.trainer, is_cap=1e6)
+    )
+    ok, figure = _curves(recipe, model, lag, lag, uncapped)
+    return ok, f"is_cap={recipe.trainer.is_cap}/none lag={lag} {figure}"
+
+
 def _rolling(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
     """The recipe's rolling (or background) update over its replicas, episodes running on
     mixed versions, against all replicas paused and updated at once."""
@@ -413,6 +473,8 @@ def _checks() -> dict[str, Check]:
         "distribution:resume_policy": _resume_policy,
         "distribution:rolling": _rolling,
         "distribution:staleness": _staleness,
+        "end_to_end:async_off_policy": _async_off_policy,
+        "end_to_end:importance_cap": _importance_cap,
     }
 
 

@@ -181,7 +181,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "end_to_end",
         ("placement.mode", "stream.dropped_max_records", "stream.dropped_max_bytes"),
         lambda r: r.placement.mode == "separate",
-        "end_to_end:reward_curve",
+        "end_to_end:async_off_policy",
         "rollout and training overlap: the trainer steps on data of earlier versions",
     ),
     Optimisation(
@@ -189,7 +189,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "end_to_end",
         ("trainer.kv_lag", "trainer.kv_lag_weight"),
         lambda r: r.sync.policy in ("keep", "staleness"),
-        "end_to_end:reward_curve",
+        "end_to_end:kv_lag",
         "tokens sampled on lagged KV are weighted, capped or masked in the loss",
     ),
     Optimisation(
@@ -197,7 +197,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "end_to_end",
         ("trainer.is_cap", "trainer.clip_eps"),
         lambda r: True,
-        "end_to_end:reward_curve",
+        "end_to_end:importance_cap",
         "importance weights of off-policy tokens are capped",
     ),
     Optimisation(
@@ -205,7 +205,7 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "end_to_end",
         ("placement.wake_timeout",),
         lambda r: r.placement.mode == "colocated",
-        "end_to_end:reward_curve",
+        "end_to_end:colocated",
         "rollout and training take turns on the same cores (sleep and wake)",
     ),
 )
