@@ -126,7 +126,7 @@ async def synced_episodes(
     """As ``recipe_episodes`` (on a fleet of ``replicas`` engines when more than one), with
     one weight update (a seeded perturbation of a twentieth of the weights, about a training
     step's) synced in with ``policy`` and ``strategy`` once the engines have run
-    ``after_steps`` steps; returns the episodes and how many sampled tokens attended to KV
+    ``after_steps`` steps and generations are under way; returns the episodes and how many sampled tokens attended to KV
     of the old weights (``kv_version < policy_version``)."""
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
@@ -149,9 +149,18 @@ async def synced_episodes(
             return [t async for t in engine.run(tasks)]
 
         running = asyncio.create_task(collect())
-        # the engines count their steps on their own threads: nothing to wait on but the count
-        while sum(e.steps for e in engines) < after_steps and not running.done():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+        want = max(1, min(4, recipe.rollout.concurrency // 4))
+
+        def ready() -> bool:
+            # past the start-up, with generations under way (a trained model's turns are
+            # short: between them the episodes run tools and nothing is in flight)
+            steps = sum(e.steps for e in engines)
+            going = sum(n > 0 for e in engines for n in e.inflight().values())
+            return steps >= after_steps and going >= want
+
+        # the engines count on their own threads: nothing to wait on but the counts
+        while not ready() and not running.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.0005)
         if not running.done():
             await engine.sync(update, policy=policy, strategy=strategy)  # type: ignore[arg-type]
         out = await running
