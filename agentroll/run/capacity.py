@@ -180,7 +180,7 @@ class CapacityMover:
         return [n for n in self.fleet.replicas if self.fleet.status(n) not in ("down", "failed")]
 
     async def end_window(self, step: int) -> Window:
-        """Close the window that began last: measure it, record it and begin the next."""
+        """Close the window that began last: measure it and record it."""
         now = time.perf_counter()
         busy1 = await self.fleet.replica_seconds(self._names())
         seconds = max(now - self._t0, 1e-9)
@@ -200,19 +200,17 @@ class CapacityMover:
         self.replica_seconds += offered
         self.serving_seconds += min(served, offered)
         self.windows.append(window)
-        await self.begin_window()
         return window
 
     async def step(self, step: int) -> Move | None:
         """End the window at a step boundary and carry out the controller's decision."""
         window = await self.end_window(step)
-        if self.controller is None:
-            return None
-        decision = self.controller.observe(window.rollout_idle, window.trainer_idle)
-        if decision is None:
-            return None
-        move = await self._carry_out(step, decision)
-        await self.begin_window()  # the next window measures the new capacity only
+        move = None
+        if self.controller is not None:
+            decision = self.controller.observe(window.rollout_idle, window.trainer_idle)
+            if decision is not None:
+                move = await self._carry_out(step, decision)
+        await self.begin_window()  # after the move: the next window measures what runs now
         return move
 
     async def _carry_out(self, step: int, d: Decision) -> Move:

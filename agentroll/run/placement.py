@@ -223,6 +223,7 @@ async def run_placement(
     train_lock = threading.Lock()
     threads = (lambda: capacity.trainer_threads) if capacity is not None else (lambda: None)
     busy0 = await _busy(backend)
+    trained0 = trainer_clock.seconds()
     t0 = time.perf_counter()
     if capacity is not None:
         await capacity.begin_window()
@@ -267,9 +268,7 @@ async def run_placement(
                         if move is not None and on_move is not None:
                             on_move(move)
                     training = asyncio.create_task(
-                        _timed_train(
-                            train, batch, version, stats, trainer_clock, train_lock, threads()
-                        )
+                        _timed_train(train, batch, version, trainer_clock, train_lock, threads())
                     )
                 stats.steps += 1
                 _account(batch, stats)
@@ -286,6 +285,7 @@ async def run_placement(
     if capacity is not None:
         await capacity.end_window(stats.steps)
     stats.seconds = time.perf_counter() - t0
+    stats.trainer_busy_s = trainer_clock.seconds() - trained0
     stats.tail_wait_s = tail.total
     if capacity is not None:
         stats.rollout_busy_s = capacity.serving_seconds
@@ -323,7 +323,6 @@ async def _timed_train(
     train: TrainFn,
     batch: list[Trajectory],
     version: int,
-    stats: PlacementStats,
     clock: BusyClock,
     lock: threading.Lock,
     threads: int | None = None,
@@ -337,13 +336,11 @@ async def _timed_train(
         with lock:
             return train(batch, version)
 
-    t0 = time.perf_counter()
     clock.begin()
     try:
         return await asyncio.to_thread(step)
     finally:
         clock.end()
-        stats.trainer_busy_s += time.perf_counter() - t0
 
 
 async def _sync_separate(
@@ -378,7 +375,7 @@ async def _switch(
     fallback = False
     try:
         update: WeightUpdate | None = await asyncio.wait_for(
-            _timed_train(train, batch, version, stats, clock, lock), config.wake_timeout
+            _timed_train(train, batch, version, clock, lock), config.wake_timeout
         )
     except TimeoutError:
         logger.warning(
