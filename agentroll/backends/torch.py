@@ -355,9 +355,14 @@ class TorchBackend(
                 out.append(chunk)
             elif not chunk.token_ids:  # a rollback chunk takes the versions of what follows
                 chunk.policy_version, chunk.kv_version = versions
-            if item.token_id is not None:
+            fault = self.config.test_fault
+            if item.token_id is not None and not (
+                fault == "drop_last_token" and item.finish_reason is not None
+            ):
                 chunk.token_ids.append(item.token_id)
-                chunk.logprobs.append(item.logprob)
+                chunk.logprobs.append(
+                    item.logprob + 1e-3 if fault == "perturb_logprobs" else item.logprob
+                )
             if item.finish_reason is not None:
                 chunk.finish_reason = item.finish_reason
                 break

@@ -32,6 +32,7 @@ from agentroll.types import ResumePolicy, SamplingParams, SleepReport, WakeRepor
 from agentroll.weights.apply import StagedUpdate, WeightStore
 from agentroll.weights.update import WeightUpdate
 
+TEST_FAULTS = ("", "perturb_logprobs", "drop_last_token")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,8 +68,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # fp32 on the CPU: the C++ kernels of engine/kernels.py (built once per machine); False,
     # or no compiler, runs the same model on plain torch ops.
     cpu_kernels: bool = True
+    # A deliberately broken optimisation, for the tests of `agentroll validate`: the backend
+    # reports logprobs off by 1e-3 ("perturb_logprobs") or drops each generation's last token
+    # ("drop_last_token").  Never set otherwise.
+    test_fault: str = ""
 
     def __post_init__(self) -> None:
+        if self.test_fault not in TEST_FAULTS:
+            raise ConfigError(f"test_fault {self.test_fault!r}; use one of {TEST_FAULTS}")
         if self.dtype not in _DTYPES:
             raise ConfigError(
                 f"dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPES)}"

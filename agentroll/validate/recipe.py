@@ -40,6 +40,16 @@ MIN_EPISODES = 16
 ATTEMPTS = 3
 
 
+class Evidence(msgspec.Struct, kw_only=True):
+    """What a check compared, for the report's plots: two samples of ``name`` (``hist``) or
+    two curves over steps (``curve``), with and without the optimisation."""
+
+    kind: Literal["hist", "curve"]
+    name: str
+    with_: list[float]
+    without: list[float]
+
+
 class Verdict(msgspec.Struct, kw_only=True):
     """One row of the validate table."""
 
@@ -49,6 +59,7 @@ class Verdict(msgspec.Struct, kw_only=True):
     figure: str
     verdict: VerdictName
     seconds: float = 0.0
+    evidence: list[Evidence] = []
 
     def line(self) -> str:
         return (
@@ -124,9 +135,12 @@ async def synced_episodes(
     replicas: int = 1,
     strategy: str | None = None,
     after_tokens: int = 2,
+    start: WeightUpdate | None = None,
+    update: WeightUpdate | None = None,
 ) -> tuple[list[Trajectory], int]:
-    """As ``recipe_episodes`` (on a fleet of ``replicas`` engines when more than one), with
-    one weight update (a seeded perturbation of a twentieth of the weights, about a training
+    """As ``recipe_episodes`` (on a fleet of ``replicas`` engines when more than one, on
+    the model's weights or ``start`` applied to them), with one weight update (``update``,
+    by default a seeded perturbation of a twentieth of the weights, about a training
     step's) synced in with ``policy`` and ``strategy`` once generations are under way
     (``after_tokens`` sampled by several of them), or the first episode ended; returns
     the episodes and how many sampled tokens attended to KV of the old weights
@@ -137,7 +151,8 @@ async def synced_episodes(
     from agentroll.run.build import rollout_config
     from agentroll.testing import SyntheticTrainer
 
-    update = SyntheticTrainer(model, fraction=0.05, seed=1).step()
+    if update is None:
+        update = SyntheticTrainer(model, fraction=0.05, seed=1).step()
     env, tasks = _tasks(recipe, episodes)
     engines = [_engine(recipe, model) for _ in range(replicas)]
     backend: Any = engines[0]
@@ -147,6 +162,8 @@ async def synced_episodes(
             strategy=strategy or "pause",  # type: ignore[arg-type]
         )
     async with backend, RolloutEngine(backend, env, rollout_config(recipe)) as engine:
+        if start is not None:
+            await engine.sync(start)
         delivered = asyncio.Event()
 
         async def collect() -> list[Trajectory]:
@@ -206,23 +223,39 @@ def token_parity(a: list[Trajectory], b: list[Trajectory]) -> tuple[bool, str]:
     return same, (f"episodes={len(pairs)} differ={differ} max_abs_logprob_diff={max_lp:.3g}{first}")
 
 
+def _series(ts: list[Trajectory]) -> dict[str, list[float]]:
+    return {
+        "logprob": [lp for t in ts for lp in _sampled(t)[1]],
+        "length": [float(t.num_generated) for t in ts],
+        "reward": [float(t.reward) for t in ts],
+        "tool_calls": [float(sum(len(turn.tool_calls) for turn in t.turns)) for t in ts],
+    }
+
+
+def _effect_size(x: list[float], y: list[float]) -> float:
+    """Cohen's d: the difference of the means over the pooled standard deviation (0 when
+    both samples are constant)."""
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    vx = sum((v - mx) ** 2 for v in x) / max(1, len(x) - 1)
+    vy = sum((v - my) ** 2 for v in y) / max(1, len(y) - 1)
+    pooled = math.sqrt(((len(x) - 1) * vx + (len(y) - 1) * vy) / max(1, len(x) + len(y) - 2))
+    return 0.0 if pooled == 0 else (mx - my) / pooled
+
+
 def ks_compare(with_: list[Trajectory], without: list[Trajectory]) -> tuple[bool, str]:
-    """Two-sample KS on sampled-token logprobs, response lengths and rewards: each statistic
-    must stay within ``KS_TOLERANCE``; the figure gives statistic and p-value of each."""
+    """Two-sample KS on sampled-token logprobs, response lengths, rewards and tool calls
+    per episode: each statistic must stay within ``KS_TOLERANCE``; the figure gives the
+    statistic, p-value and effect size (Cohen's d) of each."""
     ks_2samp = require("scipy.stats", "validate").ks_2samp
-
-    def series(ts: list[Trajectory]) -> dict[str, list[float]]:
-        return {
-            "logprob": [lp for t in ts for lp in _sampled(t)[1]],
-            "length": [float(t.num_generated) for t in ts],
-            "reward": [float(t.reward) for t in ts],
-        }
-
-    sa, sb = series(with_), series(without)
+    sa, sb = _series(with_), _series(without)
     ok = True
     parts = []
-    for key in ("logprob", "length", "reward"):
+    for key in sa:
         x, y = sa[key], sb[key]
+        if not x or not y:
+            ok = False
+            parts.append(f"{key}: one side has no samples")
+            continue
         if len(set(x) | set(y)) <= 1:  # both constant and equal: no difference to test
             parts.append(f"{key}_ks=0.000")
             continue
@@ -231,8 +264,14 @@ def ks_compare(with_: list[Trajectory], without: list[Trajectory]) -> tuple[bool
             res = ks_2samp(x, y)
         stat, p = float(res.statistic), float(res.pvalue)
         ok = ok and stat <= KS_TOLERANCE
-        parts.append(f"{key}_ks={stat:.3f} {key}_p={p:.3g}")
+        parts.append(f"{key}_ks={stat:.3f} {key}_p={p:.3g} {key}_d={_effect_size(x, y):.3f}")
     return ok, " ".join(parts) + f" tolerance={KS_TOLERANCE}"
+
+
+def histograms(with_: list[Trajectory], without: list[Trajectory]) -> list[Evidence]:
+    """The samples ``ks_compare`` tests, as the report's histograms."""
+    sa, sb = _series(with_), _series(without)
+    return [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -243,23 +282,30 @@ def _from_result(r: CheckResult) -> tuple[bool, str]:
     return r.passed, f"{r.name}: {figs}"
 
 
-Check = Callable[[Recipe, Path, int], tuple[bool, str]]
+#: a check returns (passed, figure) or (passed, figure, the evidence the report plots)
+CheckOutput = tuple[bool, str] | tuple[bool, str, list[Evidence]]
+Check = Callable[[Recipe, Path, int], CheckOutput]
 
 
 def _episodes_pair(
-    recipe: Recipe, model: Path, episodes: int, without: dict[str, Any]
+    recipe: Recipe, model: Path, episodes: int, with_: dict[str, Any], without: dict[str, Any]
 ) -> tuple[list[Trajectory], list[Trajectory]]:
     async def both() -> tuple[list[Trajectory], list[Trajectory]]:
-        a = await recipe_episodes(recipe, model, episodes)
+        a = await recipe_episodes(recipe, model, episodes, **with_)
         b = await recipe_episodes(recipe, model, episodes, **without)
         return a, b
 
     return asyncio.run(both())
 
 
-def _parity_without(**without: Any) -> Check:
+def parity_check(
+    *, with_: dict[str, Any] | None = None, without: dict[str, Any] | None = None
+) -> Check:
+    """A token-parity check: the recipe's episodes with the engine settings ``with_`` (the
+    recipe's own when empty) against ``without``, token for token."""
+
     def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
-        a, b = _episodes_pair(recipe, model, episodes, without)
+        a, b = _episodes_pair(recipe, model, episodes, with_ or {}, without or {})
         return token_parity(a, b)
 
     return check
@@ -278,16 +324,21 @@ def _enough(episodes: int, recipe: Recipe | None = None) -> None:
         )
 
 
-def _distribution_without(**without: Any) -> Check:
-    def check(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def distribution_check(
+    *, with_: dict[str, Any] | None = None, without: dict[str, Any] | None = None
+) -> Check:
+    """A distribution check: the recipe's episodes with the engine settings ``with_``
+    against ``without``, two-sample tests (``ks_compare``)."""
+
+    def check(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
         _enough(episodes)
-        a, b = _episodes_pair(recipe, model, episodes, without)
-        return ks_compare(a, b)
+        a, b = _episodes_pair(recipe, model, episodes, with_ or {}, without or {})
+        return (*ks_compare(a, b), histograms(a, b))
 
     return check
 
 
-def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """Keep-KV resume under new weights against recompute, both with one update landing
     mid-generation: the distributions of what they sample must agree."""
     _enough(episodes, recipe)
@@ -307,7 +358,7 @@ def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, st
             "kv_lagged_tokens=0: the update landed between generations; use more --episodes",
         )
     ok, figure = ks_compare(keep, recompute)
-    return ok, f"kv_lagged_tokens={lagged} {figure}"
+    return ok, f"kv_lagged_tokens={lagged} {figure}", histograms(keep, recompute)
 
 
 def staleness_lag(recipe: Recipe) -> int:
@@ -317,7 +368,7 @@ def staleness_lag(recipe: Recipe) -> int:
     return max(1, recipe.sync.interval - 1, 4 if bound is None else bound)
 
 
-def _staleness(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def _staleness(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """Episodes of the weights ``staleness_lag`` training steps old (the recipe's trainer
     on the recipe's own episodes) against episodes of the trained weights: how far apart
     the samples a stale batch holds are from the on-policy ones."""
@@ -350,7 +401,7 @@ def _staleness(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
             "learn on this model (validate with its warmed-up or trained checkpoint)"
         )
     ok, figure = ks_compare(stale, fresh)
-    return ok, f"lag={lag} max_weight_change={moved:.3g} {figure}"
+    return ok, f"lag={lag} max_weight_change={moved:.3g} {figure}", histograms(stale, fresh)
 
 
 #: training steps of each side of an end-to-end comparison
@@ -383,37 +434,43 @@ def reward_curve(recipe: Recipe, model: Path, lag: int, steps: int = E2E_STEPS) 
 
 def _curves(
     recipe: Recipe, model: Path, lag_with: int, lag_without: int, without: Recipe
-) -> tuple[bool, str]:
+) -> tuple[bool, str, list[Evidence]]:
     a = reward_curve(recipe, model, lag_with)
     b = reward_curve(without, model, lag_without)
+    return _compare_curves(a, b)
+
+
+def _compare_curves(a: list[float], b: list[float]) -> tuple[bool, str, list[Evidence]]:
+    """The mean rewards of the curves' last halves must differ by at most the band."""
     half = len(a) // 2
     end_a, end_b = sum(a[half:]) / len(a[half:]), sum(b[half:]) / len(b[half:])
     ok = abs(end_a - end_b) <= E2E_TOLERANCE
-    return ok, (
+    figure = (
         f"steps={len(a)} reward_start={a[0]:.3f}/{b[0]:.3f} reward_end={end_a:.3f}/{end_b:.3f} "
         f"(with/without) band={E2E_TOLERANCE}"
     )
+    return ok, figure, [Evidence(kind="curve", name="reward", with_=a, without=b)]
 
 
-def _async_off_policy(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def _async_off_policy(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """Training on batches ``staleness_lag`` versions old against on-policy batches."""
     lag = staleness_lag(recipe)
-    ok, figure = _curves(recipe, model, lag, 0, recipe)
-    return ok, f"lag={lag} {figure}"
+    ok, figure, curves = _curves(recipe, model, lag, 0, recipe)
+    return ok, f"lag={lag} {figure}", curves
 
 
-def _importance_cap(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def _importance_cap(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """The recipe's importance-weight cap against no cap, both on stale batches (on-policy
     tokens have weight 1: the cap does nothing there)."""
     lag = staleness_lag(recipe)
     uncapped = msgspec.structs.replace(
         recipe, trainer=msgspec.structs.replace(recipe.trainer, is_cap=1e6)
     )
-    ok, figure = _curves(recipe, model, lag, lag, uncapped)
-    return ok, f"is_cap={recipe.trainer.is_cap}/none lag={lag} {figure}"
+    ok, figure, curves = _curves(recipe, model, lag, lag, uncapped)
+    return ok, f"is_cap={recipe.trainer.is_cap}/none lag={lag} {figure}", curves
 
 
-def _rolling(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+def _rolling(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """The recipe's rolling (or background) update over its replicas, episodes running on
     mixed versions, against all replicas paused and updated at once."""
     _enough(episodes, recipe)
@@ -437,7 +494,153 @@ def _rolling(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
     if len(versions) < 2:
         return False, f"versions={sorted(versions)}: the update landed after the episodes"
     ok, figure = ks_compare(mixed, at_once)
-    return ok, f"replicas={n} versions={sorted(versions)} {figure}"
+    return ok, f"replicas={n} versions={sorted(versions)} {figure}", histograms(mixed, at_once)
+
+
+#: trainer steps of a scaled-down consumption run (``consumed_episodes``)
+CONSUMED_STEPS = 4
+
+
+def scaled_consumption(recipe: Recipe, episodes: int) -> tuple[int, int]:
+    """(trainer batch, rollout concurrency) of a scaled-down run of ``episodes`` episodes:
+    the batch takes a ``CONSUMED_STEPS``-th of them (whole groups), the concurrency keeps
+    the recipe's ratio to the batch, which is what sets how stale episodes get."""
+    n = recipe.rollout.samples_per_task
+    size = max(n, min(recipe.trainer.batch_size, episodes // CONSUMED_STEPS) // n * n)
+    ratio = recipe.rollout.concurrency / recipe.trainer.batch_size
+    return size, max(1, round(size * ratio))
+
+
+async def consumed_episodes(
+    recipe: Recipe, model: Path, episodes: int, *, admission: bool
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    """The recipe's episodes, at the batch and concurrency of ``scaled_consumption``,
+    consumed by a stand-in trainer a batch a step, each step a weight update synced with
+    the recipe's policy (a thousandth of the weights perturbed: versions move, samples
+    barely do); new groups start under the recipe's admission control when ``admission``.
+    Returns (all, kept): kept are those within the recipe's staleness bound when consumed,
+    in the order the trainer took them."""
+    from agentroll.rollout.admission import AdmissionController
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import rollout_config
+    from agentroll.testing import SyntheticTrainer
+
+    bound = recipe.buffer.max_staleness
+    size, concurrency = scaled_consumption(recipe, episodes)
+    n = recipe.rollout.samples_per_task
+    controller = AdmissionController(max_staleness=bound, batch_size=size, group_size=n)
+    trainer = SyntheticTrainer(model, fraction=0.001, seed=2)
+    env, tasks = _tasks(recipe, episodes)
+    version = consumed = admitted = 0
+    every: list[Trajectory] = []
+    kept: list[Trajectory] = []
+    async with (
+        _engine(recipe, model) as backend,
+        RolloutEngine(
+            backend, env, msgspec.structs.replace(rollout_config(recipe), concurrency=concurrency)
+        ) as engine,
+    ):
+
+        async def admit(k: int) -> None:
+            nonlocal admitted
+            await controller.wait(
+                policy_version=lambda: int(backend.policy_version),
+                trainer_version=lambda: version,
+                outstanding=lambda: admitted - consumed,
+            )
+            admitted += k
+
+        batch: list[Trajectory] = []
+
+        def consume(ts: list[Trajectory]) -> None:
+            nonlocal consumed
+            for t in ts:
+                sampled = t.policy_version[t.loss_mask.astype(bool)]
+                oldest = int(sampled.min()) if len(sampled) else version
+                if bound is None or version - oldest <= bound:
+                    kept.append(t)
+            consumed += len(ts)
+
+        async for t in engine.run(tasks, admit=admit if admission else None):
+            every.append(t)
+            controller.observe_episode(t.finished_at - t.started_at)
+            batch.append(t)
+            if len(batch) == size:
+                consume(batch)
+                batch = []
+                update = await asyncio.to_thread(trainer.step)
+                version += 1
+                controller.observe_trainer_version(version)
+                await engine.sync(update, policy=recipe.sync.policy)  # type: ignore[arg-type]
+        consume(batch)
+    return every, kept
+
+
+def _admission(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """What a trainer consumes under the recipe's admission control and staleness bound
+    (the episodes within the bound) against everything sampled without admission control:
+    admission must not bias what the trainer sees (dropping stale episodes favours short
+    ones; admission exists to keep them from going stale)."""
+    _enough(episodes, recipe)
+
+    async def both() -> tuple[tuple[list[Trajectory], list[Trajectory]], ...]:
+        with_ = await consumed_episodes(recipe, model, episodes, admission=True)
+        without = await consumed_episodes(recipe, model, episodes, admission=False)
+        return with_, without
+
+    (every_w, kept_w), (every_o, kept_o) = asyncio.run(both())
+    ok, figure = ks_compare(kept_w, every_o)
+    size, concurrency = scaled_consumption(recipe, episodes)
+    figure = (
+        f"batch={size} concurrency={concurrency} max_staleness={recipe.buffer.max_staleness} "
+        f"dropped={len(every_w) - len(kept_w)}/{len(every_o) - len(kept_o)} (with/without) "
+        f"kept_vs_all: {figure}"
+    )
+    return ok, figure, histograms(kept_w, every_o)
+
+
+def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
+    """As ``reward_curve``, but each step's batch starts on the previous step's weights and
+    the trainer's current weights are synced in mid-generation under the ``keep`` policy,
+    so a share of its tokens attended to KV of the older weights; returns the rewards and
+    how many sampled tokens were kv-lagged in all."""
+    from agentroll.run.loop import build_trainer
+
+    trainer, algorithm = build_trainer(recipe, model)
+
+    async def run() -> tuple[list[float], int]:
+        history: list[WeightUpdate | None] = [None]
+        rewards, lagged = [], 0
+        size = recipe.trainer.batch_size
+        for step in range(steps):
+            if step == 0:
+                batch = await recipe_episodes(recipe, model, size)
+            else:
+                batch, n = await synced_episodes(
+                    recipe, model, size, "keep", start=history[step - 1], update=history[step]
+                )
+                lagged += n
+            rewards.append(sum(t.reward for t in batch) / max(1, len(batch)))
+            await asyncio.to_thread(trainer.step, algorithm.collate(batch, pad_id=0))
+            history.append(trainer.export(-1))
+        return rewards, lagged
+
+    return asyncio.run(run())
+
+
+def _kv_lag(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """The recipe's treatment of kv-lagged tokens against none (every token weighted 1),
+    both on batches whose update landed mid-generation under ``keep``."""
+    untreated = msgspec.structs.replace(
+        recipe,
+        trainer=msgspec.structs.replace(recipe.trainer, kv_lag="weight", kv_lag_weight=1.0),
+    )
+    a, lag_a = kv_lag_curve(recipe, model)
+    b, _ = kv_lag_curve(untreated, model)
+    if lag_a == 0:
+        return False, "kv_lagged_tokens=0: no update landed mid-generation; nothing was treated"
+    ok, figure, curves = _compare_curves(a, b)
+    return ok, f"kv_lag={recipe.trainer.kv_lag}/none kv_lagged_tokens={lag_a} {figure}", curves
 
 
 def _existing(fn: Callable[[Path], Any]) -> Check:
@@ -492,16 +695,18 @@ def _checks() -> dict[str, Check]:
     return {
         "unit:delta_roundtrip": _existing(check_delta_roundtrip),
         "unit:layout_roundtrip": _existing(check_layout_roundtrip),
-        "token_parity:prefix_cache": _parity_without(enable_prefix_caching=False),
-        "token_parity:chunked_prefill": _parity_without(max_num_batched_tokens=1 << 16),
+        "token_parity:prefix_cache": parity_check(without={"enable_prefix_caching": False}),
+        "token_parity:chunked_prefill": parity_check(without={"max_num_batched_tokens": 1 << 16}),
         "token_parity:reference": _existing(check_reference_parity),
         "token_parity:pause_resume": _existing(check_token_parity_pause),
         "token_parity:migrate": _existing(check_token_parity_migrate),
         "token_parity:checkpoint": _existing(check_episode_checkpoint_parity),
-        "distribution:dtype": _distribution_without(dtype="float32"),
+        "distribution:dtype": distribution_check(without={"dtype": "float32"}),
         "distribution:resume_policy": _resume_policy,
         "distribution:rolling": _rolling,
         "distribution:staleness": _staleness,
+        "distribution:admission": _admission,
+        "end_to_end:kv_lag": _kv_lag,
         "end_to_end:async_off_policy": _async_off_policy,
         "end_to_end:importance_cap": _importance_cap,
     }
@@ -547,24 +752,69 @@ def _run_one(
             verdict="unchecked",
         )
     t0 = time.perf_counter()
-    passed, figure = check(recipe, model, episodes)
+    got = check(recipe, model, episodes)
     return Verdict(
         optimisation=o.name,
         risk=o.risk,
         check=o.check,
-        figure=figure,
-        verdict="pass" if passed else "fail",
+        figure=got[1],
+        verdict="pass" if got[0] else "fail",
         seconds=time.perf_counter() - t0,
+        evidence=list(got[2]) if len(got) > 2 else [],
     )
 
 
+def write_plots(verdict: Verdict, out_dir: Path) -> Path | None:
+    """``out_dir/<optimisation>.png``: a histogram of each sample the check compared (with
+    against without, as densities) and each curve over steps; None when it has none."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not verdict.evidence:
+        return None
+    n = len(verdict.evidence)
+    fig = Figure(figsize=(4 * n, 3.2))
+    FigureCanvasAgg(fig)
+    for i, ev in enumerate(verdict.evidence):
+        ax = fig.add_subplot(1, n, i + 1)
+        if ev.kind == "curve":
+            ax.plot(range(len(ev.with_)), ev.with_, "o-", label="with")
+            ax.plot(range(len(ev.without)), ev.without, "s--", label="without")
+            ax.set_xlabel("training step")
+            ax.set_ylabel(f"mean {ev.name}")
+        else:
+            both = ev.with_ + ev.without
+            lo, hi = (min(both), max(both)) if both else (0.0, 1.0)
+            bins = 30 if hi > lo else 1
+            span = (lo, hi if hi > lo else lo + 1)
+            ax.hist(ev.with_, bins=bins, range=span, density=True, alpha=0.5, label="with")
+            ax.hist(
+                ev.without, bins=bins, range=span, density=True, histtype="step", label="without"
+            )
+            ax.set_xlabel(ev.name)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{verdict.optimisation} ({verdict.check}): {verdict.verdict}", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / f"{verdict.optimisation}.png"
+    tmp = out_dir / f".{verdict.optimisation}.png.tmp"
+    fig.savefig(tmp, format="png", dpi=90)
+    tmp.replace(path)
+    return path
+
+
 def write_report(verdicts: list[Verdict], out_dir: Path, recipe_name: str) -> Path:
-    """``out_dir/report.md``: the table (optimisation, class, check, figure, verdict)."""
+    """``out_dir/report.md``: the table (optimisation, class, check, figure, verdict), then
+    the plots of each check that compared samples or curves (``write_plots``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [
         f"| {v.optimisation} | {v.risk} | `{v.check}` | {v.figure} | {v.verdict} |"
         for v in verdicts
     ]
+    plots = []
+    for v in verdicts:
+        png = write_plots(v, out_dir)
+        if png is not None:
+            plots += [f"### {v.optimisation}", "", f"![{v.optimisation}]({png.name})", ""]
     counts = {k: sum(v.verdict == k for v in verdicts) for k in ("pass", "fail", "unchecked")}
     text = "\n".join(
         [
@@ -576,6 +826,7 @@ def write_report(verdicts: list[Verdict], out_dir: Path, recipe_name: str) -> Pa
             "|---|---|---|---|---|",
             *rows,
             "",
+            *plots,
         ]
     )
     path = out_dir / "report.md"
@@ -586,10 +837,15 @@ def write_report(verdicts: list[Verdict], out_dir: Path, recipe_name: str) -> Pa
 __all__ = [
     "KS_TOLERANCE",
     "MIN_EPISODES",
+    "Evidence",
     "Verdict",
+    "distribution_check",
+    "histograms",
     "ks_compare",
+    "parity_check",
     "recipe_episodes",
     "token_parity",
     "validate_recipe",
+    "write_plots",
     "write_report",
 ]

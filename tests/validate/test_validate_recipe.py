@@ -4,6 +4,7 @@ recipe's real optimisations; the table and the exit status say what was found.""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from agentroll.errors import ConfigError
 from agentroll.run.recipe import parse_recipe
 from agentroll.types import Trajectory
 from agentroll.validate.recipe import (
-    _parity_without,
     ks_compare,
+    parity_check,
     token_parity,
     validate_recipe,
     write_report,
@@ -121,21 +122,63 @@ def test_the_recipes_token_parity_optimisations_pass_and_a_changed_engine_fails(
         model,
         episodes=8,
         only="prefix_caching",
-        extra={"token_parity:prefix_cache": _parity_without(dtype="bfloat16")},
+        extra={"token_parity:prefix_cache": parity_check(with_={"dtype": "bfloat16"})},
     )
     assert [v.verdict for v in broken] == ["fail"], broken[0].figure
     report = write_report(got + broken, tmp_path / "validate", "validate-test").read_text()
     assert "| prefix_caching | token_parity |" in report and "| fail |" in report
 
 
-def test_unit_checks_run_and_unbuilt_ones_say_unchecked(
+@pytest.mark.parametrize(
+    ("fault", "shows"), [("perturb_logprobs", "differ=0"), ("drop_last_token", "first_diff=")]
+)
+def test_a_deliberately_broken_optimisation_fails_the_check_of_its_class(
     recipe_and_model: tuple[object, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    shows: str,
+) -> None:
+    """A registered token-parity optimisation whose "with" side is the engine's test-only
+    fault (logprobs off by 1e-3, or each generation's last token dropped) fails."""
+    from agentroll.validate import registry
+
+    broken = registry.Optimisation(
+        "broken_for_test", "token_parity", (), lambda r: True, "token_parity:broken", "a fault"
+    )
+    monkeypatch.setattr(registry, "OPTIMISATIONS", (*registry.OPTIMISATIONS, broken))
+    recipe, model = recipe_and_model
+    (got,) = validate_recipe(
+        recipe,  # type: ignore[arg-type]
+        model,
+        episodes=8,
+        only="broken_for_test",
+        extra={"token_parity:broken": parity_check(with_={"test_fault": fault})},
+    )
+    assert got.verdict == "fail" and shows in got.figure, got.figure
+    if fault == "perturb_logprobs":  # the same tokens, logprobs 1e-3 off
+        assert "max_abs_logprob_diff=0.001" in got.figure, got.figure
+
+
+@pytest.fixture
+def unbuilt(monkeypatch: pytest.MonkeyPatch) -> str:
+    """An optimisation registered with a check nobody built."""
+    from agentroll.validate import registry
+
+    o = registry.Optimisation(
+        "unbuilt_for_test", "end_to_end", (), lambda r: True, "end_to_end:not_built", "-"
+    )
+    monkeypatch.setattr(registry, "OPTIMISATIONS", (*registry.OPTIMISATIONS, o))
+    return o.name
+
+
+def test_unit_checks_run_and_unbuilt_ones_say_unchecked(
+    recipe_and_model: tuple[object, Path], unbuilt: str
 ) -> None:
     recipe, model = recipe_and_model
     unit = {v.optimisation: v for v in validate_recipe(recipe, model, risk="unit")}  # type: ignore[arg-type]
     assert unit["delta_sync"].verdict == "pass" and "digest_equal=3/3" in unit["delta_sync"].figure
-    (kv_lag,) = validate_recipe(recipe, model, only="kv_lag_treatment")  # type: ignore[arg-type]
-    assert kv_lag.verdict == "unchecked" and "no check" in kv_lag.figure
+    (got,) = validate_recipe(recipe, model, only=unbuilt)  # type: ignore[arg-type]
+    assert got.verdict == "unchecked" and "no check" in got.figure
 
 
 def test_bad_requests_say_what_to_do(recipe_and_model: tuple[object, Path]) -> None:
@@ -152,7 +195,7 @@ def test_bad_requests_say_what_to_do(recipe_and_model: tuple[object, Path]) -> N
 
 
 def test_the_command_writes_the_table_and_its_exit_status_says_what_was_found(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], unbuilt: str
 ) -> None:
     from agentroll.cli import main
 
@@ -165,8 +208,8 @@ def test_the_command_writes_the_table_and_its_exit_status_says_what_was_found(
     out = capsys.readouterr().out
     assert "optimisation=prefix_caching class=token_parity" in out and "verdict=pass" in out
     assert "| prefix_caching | token_parity |" in (run / "validate" / "report.md").read_text()
-    # the kv_lag treatment's end-to-end check is not built yet
-    assert main([*base, "--only", "kv_lag_treatment"]) == 2
+    # an optimisation whose check is not built: unchecked, exit status 2
+    assert main([*base, "--only", unbuilt]) == 2
     assert "verdict=unchecked" in capsys.readouterr().out
 
 
@@ -217,3 +260,33 @@ def test_reward_curves_start_from_the_same_weights_and_run_their_steps(
     assert len(on_policy) == len(stale) == 2
     assert on_policy[0] == stale[0]  # step 0 samples the starting weights either way
     assert all(0.0 <= r <= 1.0 for r in on_policy + stale)
+
+
+def test_admission_compares_what_the_trainer_keeps_with_everything_sampled(
+    recipe_and_model: tuple[object, Path], tmp_path: Path
+) -> None:
+    from agentroll.validate.recipe import consumed_episodes
+
+    recipe, model = recipe_and_model
+    every, kept = asyncio.run(consumed_episodes(recipe, model, 16, admission=True))  # type: ignore[arg-type]
+    assert len(every) == 16 and {t.id for t in kept} <= {t.id for t in every}
+    # the stand-in trainer stepped (a batch of 2 groups, 4 in flight): versions really moved
+    assert max(int(t.policy_version.max()) for t in every) >= 1
+    (v,) = validate_recipe(recipe, model, episodes=16, only="admission_control")  # type: ignore[arg-type]
+    assert v.risk == "distribution" and v.verdict == "pass", v.figure
+    assert "batch=4 concurrency=4 " in v.figure and "dropped=" in v.figure and "reward_" in v.figure
+    assert {e.name for e in v.evidence} == {"logprob", "length", "reward", "tool_calls"}
+    report = write_report([v], tmp_path / "validate", "t").read_text()
+    png = tmp_path / "validate" / "admission_control.png"
+    assert "![admission_control](admission_control.png)" in report
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_kv_lag_curve_trains_on_batches_with_kv_lagged_tokens(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    from agentroll.validate.recipe import kv_lag_curve
+
+    recipe, model = recipe_and_model
+    rewards, lagged = kv_lag_curve(recipe, model, steps=2)  # type: ignore[arg-type]
+    assert len(rewards) == 2 and lagged > 0  # the second batch's update landed mid-generation
