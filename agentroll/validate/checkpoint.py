@@ -38,6 +38,10 @@ STOP_IDS = tuple(range(100, 1000, 40))
 MIN_TOKENS, MARGIN = 3, 16  # signal after >= MIN_TOKENS of a turn with >= MARGIN still to come
 HOLD_LIMIT = 30.0  # seconds a held tool call waits for the pause at most
 WORKER_TIMEOUT = 300.0  # seconds each worker process may take
+PROBE_MAX_TOKENS = 64
+#: where a fitted stop set ends the first turns (sampled tokens): long enough to be
+#: signalled in the middle of, short enough to end in "stop"
+FIT_WINDOW = (MIN_TOKENS + MARGIN + 4, PROBE_MAX_TOKENS - 8)
 _SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -50,8 +54,11 @@ class EveryTurnCalls:
         return ParsedOutput(content=text.strip(), tool_calls=[call], errors=[])
 
 
-def probe_config(*, concurrency: int = 3, seed: int = 0) -> RolloutConfig:
-    """The rollout settings of the check (registers the ``every-turn`` tool parser)."""
+def probe_config(
+    *, concurrency: int = 3, seed: int = 0, stop_ids: tuple[int, ...] = STOP_IDS
+) -> RolloutConfig:
+    """The rollout settings of the check (registers the ``every-turn`` tool parser);
+    ``stop_ids`` end a turn (``probe_stop_ids`` fits them to a model)."""
     TOOL_PARSERS.setdefault(PARSER, EveryTurnCalls())
     return RolloutConfig(
         concurrency=concurrency,
@@ -61,7 +68,7 @@ def probe_config(*, concurrency: int = 3, seed: int = 0) -> RolloutConfig:
         # EOS ignored: a trained model would end its turns early, and the check needs
         # turns long enough to be signalled in the middle of
         sampling=SamplingParams(
-            temperature=1.0, max_tokens=64, stop_token_ids=STOP_IDS, ignore_eos=True
+            temperature=1.0, max_tokens=PROBE_MAX_TOKENS, stop_token_ids=stop_ids, ignore_eos=True
         ),
     )
 
@@ -121,7 +128,11 @@ class CheckpointProbe(Environment):
 
     async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
         assert state.sandbox is not None
-        return float(len((await state.sandbox.read_file("log.txt")).decode().splitlines()))
+        try:
+            log = await state.sandbox.read_file("log.txt")
+        except FileNotFoundError:  # the first turn ran out of tokens: no call was made
+            return 0.0
+        return float(len(log.decode().splitlines()))
 
 
 class ProbeBackend(TorchBackend):
@@ -144,6 +155,61 @@ class ProbeBackend(TorchBackend):
         await super().pause(policy)
         if self.paused_event is not None:
             self.paused_event.set()
+
+
+def fit_stop_ids(
+    sequences: list[list[int]], window: tuple[int, int] = FIT_WINDOW
+) -> tuple[int, ...]:
+    """A stop set under which each of ``sequences`` (a model's first turns sampled with no
+    stop set, the same seeds) would end inside ``window``: ids never sampled before the
+    window's start in any of them, one per sequence from its window, where there is one.
+    Seeded sampling makes a turn identical up to its first stop id, so the fit is exact
+    for those turns; later turns, in other contexts, end about as often."""
+    lo, hi = window
+    early = {t for seq in sequences for t in seq[:lo]}
+    chosen: list[int] = []
+    for seq in sequences:
+        if any(t in chosen for t in seq[lo:hi]):
+            continue
+        pick = next((t for t in seq[lo:hi] if t not in early), None)
+        if pick is not None:
+            chosen.append(pick)
+    # a sequence with no stop yet would end on the token budget (the episode then ends):
+    # give it the latest id that stops no long turn early
+    long_early = {t for seq in sequences if _first(seq, chosen) >= lo for t in seq[:lo]}
+    for seq in sequences:
+        if _first(seq, chosen) < len(seq):
+            continue
+        pick = next((t for t in reversed(seq[:hi]) if t not in long_early), None)
+        if pick is not None:
+            chosen.append(pick)
+    return tuple(sorted(set(chosen)))
+
+
+def _first(seq: list[int], stops: list[int]) -> int:
+    """Where ``seq`` first samples one of ``stops`` (its length when it never does)."""
+    return next((i for i, t in enumerate(seq) if t in stops), len(seq))
+
+
+async def probe_stop_ids(model: Path, device: str = "cpu") -> tuple[int, ...]:
+    """``STOP_IDS`` where they give the model's probe turns long enough to pause in the
+    middle of (a random model's turns are ~45 tokens); else a stop set fitted to the model
+    (a trained model samples a few ids often and ends early on the fixed set)."""
+    from agentroll.rollout.engine import RolloutEngine
+
+    async def first_turns(stop_ids: tuple[int, ...]) -> list[list[int]]:
+        backend = ProbeBackend(model, batch_invariant=True, device=device)
+        config = probe_config(stop_ids=stop_ids)
+        async with backend, RolloutEngine(backend, CheckpointProbe(), config) as engine:
+            out = [t async for t in engine.run()]
+        return [
+            t.token_ids[t.turns[0].gen_start : t.turns[0].gen_end].tolist() for t in out if t.turns
+        ]
+
+    fixed = await first_turns(STOP_IDS)
+    if sum(len(s) >= FIT_WINDOW[0] for s in fixed) * 2 >= len(fixed):
+        return STOP_IDS
+    return fit_stop_ids(await first_turns(()))
 
 
 def turn_lengths(trajectories: list[Trajectory]) -> dict[int, int]:
@@ -206,6 +272,7 @@ def _worker_process(mode: str, model: str, device: str, workdir: str) -> int:
     work = Path(workdir)
     backend = ProbeBackend(model, batch_invariant=True, device=device)
     env = CheckpointProbe()
+    stop_ids = tuple(json.loads((work / "stop_ids.json").read_text()))
     if mode == "first":
         lengths = {int(k): v for k, v in json.loads((work / "lengths.json").read_text()).items()}
         fired = False
@@ -224,14 +291,16 @@ def _worker_process(mode: str, model: str, device: str, workdir: str) -> int:
         backend,
         out=work / "out.jsonl",
         checkpoint_dir=work / "checkpoints",
-        config=probe_config(),
+        config=probe_config(stop_ids=stop_ids),
     )
     (work / f"{mode}.json").write_text(json.dumps({"held": env.held, "line": result.line()}))
     print(result.line(), flush=True)
     return 0
 
 
-async def _reference(model: Path, device: str, workdir: Path) -> list[Trajectory]:
+async def _reference(
+    model: Path, device: str, workdir: Path, stop_ids: tuple[int, ...]
+) -> list[Trajectory]:
     from agentroll.run.worker import read_trajectories, run_worker
 
     await run_worker(
@@ -239,7 +308,7 @@ async def _reference(model: Path, device: str, workdir: Path) -> list[Trajectory
         ProbeBackend(model, batch_invariant=True, device=device),
         out=workdir / "reference.jsonl",
         checkpoint_dir=workdir / "reference-checkpoints",
-        config=probe_config(),
+        config=probe_config(stop_ids=stop_ids),
         stop_signals=(),
     )
     return read_trajectories(workdir / "reference.jsonl")
@@ -259,7 +328,9 @@ def check_episode_checkpoint_parity(model: Path, device: str = "cpu") -> CheckRe
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentroll-cp-check-") as tmp:
         work = Path(tmp)
-        reference = asyncio.run(_reference(model, device, work))
+        stop_ids = asyncio.run(probe_stop_ids(model, device))
+        (work / "stop_ids.json").write_text(json.dumps(list(stop_ids)))
+        reference = asyncio.run(_reference(model, device, work, stop_ids))
         (work / "lengths.json").write_text(json.dumps(turn_lengths(reference)))
         cmd = [sys.executable, "-m", "agentroll.validate.checkpoint"]
 
@@ -299,6 +370,7 @@ def check_episode_checkpoint_parity(model: Path, device: str = "cpu") -> CheckRe
         cp_dir = work / "checkpoints"
         left = [p.name for p in cp_dir.iterdir()] if cp_dir.exists() else []
         figures |= {
+            "stop_set": "fixed" if stop_ids == STOP_IDS else f"fitted({len(stop_ids)})",
             "episodes": len(reference),
             "checkpointed": len(checkpoints),
             "mid_generation": mid_gen,
