@@ -79,10 +79,12 @@ class Tool:
         name: str | None = None,
         description: str | None = None,
         timeout: float | None = None,
+        pure: bool = False,
     ) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         self.timeout = timeout
+        self.pure = pure
         sig = inspect.signature(fn)
         try:
             hints = typing.get_type_hints(fn)
@@ -174,8 +176,15 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     timeout: float | None = None,
+    pure: bool = False,
 ) -> Any:
     """Mark a function or method as a tool: ``@tool`` or ``@tool(timeout=5)``.
+
+    ``pure=True`` declares that its result is a function of its arguments (and, when it
+    takes them, of the episode's task and the sandbox's files) and that it changes nothing
+    an episode depends on: with ``RolloutConfig(tool_cache=True)`` a call with the same key
+    returns the cached result instead of running it; sampled hits run again, and a tool
+    whose result differs is found impure and no longer cached.
 
     The JSON schema of its arguments comes from the type hints; argument descriptions come
     from an ``Args:`` docstring section.  Parameters named ``sandbox`` and ``state`` are
@@ -184,7 +193,7 @@ def tool(
     """
 
     def wrap(f: Callable[..., Any]) -> Tool:
-        return Tool(f, name=name, description=description, timeout=timeout)
+        return Tool(f, name=name, description=description, timeout=timeout, pure=pure)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -226,6 +226,7 @@ class ToolResult(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     content: str
     error: str | None = None  # parse | unknown_tool | bad_arguments | exception | timeout
     duration: float = 0.0
+    cached: bool = False  # from the result cache of a pure tool (not executed)
 
 
 class Turn(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):

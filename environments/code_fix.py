@@ -5,6 +5,7 @@ message, else the ``solution.py`` the model wrote; each test is a call whose exp
 stays on the host: the sandbox's ``python3 -I`` process (a per-test alarm, a whole-run
 timeout) only reports the values the calls returned, so a candidate that takes it over
 scores only by producing the right values; a crash, hang or exit fails what it stops.
+``run_tests`` (pure) runs the same tests on code the model passes, in a scratch directory.
 """
 
 from __future__ import annotations
@@ -13,71 +14,11 @@ import json
 import re
 import secrets
 
-from agentroll import Environment, EpisodeState, Sandbox, SandboxConfig, Task, Trajectory
+from agentroll import Environment, EpisodeState, Sandbox, SandboxConfig, Task, Trajectory, tool
+from agentroll.environments._code_fix_data import RUNNER, TASKS
 from agentroll.tools.files import read_file, write_file
 from agentroll.tools.python_exec import python_exec
 
-# (name, buggy source, fixed source, tests: (call, the value a correct fix returns))
-_TASKS: list[tuple[str, str, str, list[tuple[str, object]]]] = [
-    (
-        "mean",
-        "def mean(xs):\n    return sum(xs) / (len(xs) - 1)\n",
-        "def mean(xs):\n    return sum(xs) / len(xs)\n",
-        [("mean([1, 2, 3])", 2), ("mean([4])", 4), ("mean([2, 4])", 3)],
-    ),
-    (
-        "factorial",
-        "def factorial(n):\n    out = 1\n    for i in range(1, n):\n        out *= i\n    return out\n",
-        "def factorial(n):\n    out = 1\n    for i in range(1, n + 1):\n        out *= i\n    return out\n",
-        [("factorial(0)", 1), ("factorial(1)", 1), ("factorial(5)", 120)],
-    ),
-    (
-        "is_palindrome",
-        "def is_palindrome(s):\n    return s.lower() == s[::-1]\n",
-        "def is_palindrome(s):\n    return s.lower() == s.lower()[::-1]\n",
-        [
-            ("is_palindrome('abba')", True),
-            ("is_palindrome('Racecar')", True),
-            ("is_palindrome('abc')", False),
-        ],
-    ),
-    (
-        "fizzbuzz",
-        "def fizzbuzz(n):\n    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n    if n % 15 == 0:\n        return 'FizzBuzz'\n    return str(n)\n",
-        "def fizzbuzz(n):\n    if n % 15 == 0:\n        return 'FizzBuzz'\n    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n    return str(n)\n",
-        [
-            ("fizzbuzz(9)", "Fizz"),
-            ("fizzbuzz(10)", "Buzz"),
-            ("fizzbuzz(30)", "FizzBuzz"),
-            ("fizzbuzz(7)", "7"),
-        ],
-    ),
-    (
-        "last_word",
-        "def last_word(s):\n    return s.split(' ')[-1]\n",
-        "def last_word(s):\n    words = s.split()\n    return words[-1] if words else ''\n",
-        [("last_word('hello world')", "world"), ("last_word('a b  ')", "b"), ("last_word('')", "")],
-    ),
-]
-
-# Runs the candidate and prints the values the calls returned (null where one failed).
-_RUNNER = """\
-import json, signal, sys
-req, dumps, values = json.loads(sys.stdin.read()), json.dumps, []
-def on_alarm(*_): raise TimeoutError("took too long")
-signal.signal(signal.SIGALRM, on_alarm)
-namespace = {"__name__": "solution"}
-try:
-    signal.alarm(req["alarm"])
-    exec(compile(req["code"], "solution.py", "exec"), namespace)
-    for call in req["calls"]:
-        signal.alarm(req["alarm"])
-        try: values.append(dumps(eval(call, dict(namespace))))
-        except Exception: values.append("null")
-except BaseException: pass
-signal.alarm(0)
-print(req["nonce"], dumps(values))
-"""
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -105,7 +46,7 @@ class CodeFix(Environment):
                 },
                 answer=fixed,
             )
-            for name, buggy, fixed, tests in _TASKS
+            for name, buggy, fixed, tests in TASKS
         ]
 
     async def candidate(self, trajectory: Trajectory, sandbox: Sandbox) -> str | None:
@@ -119,17 +60,22 @@ class CodeFix(Environment):
         except (FileNotFoundError, IsADirectoryError, ValueError):
             return None
 
-    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
-        calls: list[str] = state.task.data["tests"]
-        expected: list[object] = state.task.data["expected"]
-        sandbox = state.sandbox
-        code = None if sandbox is None else await self.candidate(trajectory, sandbox)
-        if sandbox is None or code is None:
-            return 0.0
+    async def run_candidate(
+        self, sandbox: Sandbox, code: str, calls: list[str], *, scratch: bool = False
+    ) -> tuple[list[object], bool]:
+        """The values the test ``calls`` return for ``code`` (fewer when it stopped early)
+        and whether the run hit the whole-run timeout.  ``scratch``: run in a new directory,
+        so the code neither reads nor writes the working directory's files by their names."""
         nonce = secrets.token_hex(16)
-        request = {"code": code, "calls": calls, "nonce": nonce, "alarm": self.test_alarm}
+        request = {
+            "code": code,
+            "calls": calls,
+            "nonce": nonce,
+            "alarm": self.test_alarm,
+            "scratch": scratch,
+        }
         result = await sandbox.exec(
-            ["python3", "-I", "-c", _RUNNER], stdin=json.dumps(request), timeout=self.test_timeout
+            ["python3", "-I", "-c", RUNNER], stdin=json.dumps(request), timeout=self.test_timeout
         )
         values: list[object] = []
         for line in result.stdout.splitlines():
@@ -139,6 +85,38 @@ class CodeFix(Environment):
                     values = [json.loads(text) for text in json.loads(rest)][: len(calls)]
                 except (ValueError, TypeError):
                     values = []
+        return values, result.timed_out
+
+    @tool(pure=True)
+    async def run_tests(self, code: str, state: EpisodeState, sandbox: Sandbox) -> str:
+        """Run the task's unit tests on a version of the function; says which pass.
+
+        Args:
+            code: the complete Python source of the function (and anything it needs).
+        """
+        calls: list[str] = state.task.data["tests"]
+        expected: list[object] = state.task.data["expected"]
+        values, timed_out = await self.run_candidate(sandbox, code, calls, scratch=True)
+        if timed_out:
+            # not a ToolError: a slow machine is no property of the code, so it is not cached
+            raise RuntimeError(f"the test run took longer than {self.test_timeout} s")
+        lines, passed = [], 0
+        for i, call in enumerate(calls):
+            got = values[i] if i < len(values) else None
+            ok = i < len(values) and _same(got, expected[i])
+            passed += ok
+            # the returned value, never the expected one (which stays on the host)
+            lines.append(f"{'pass' if ok else 'FAIL'}: {call} returned {json.dumps(got)}")
+        return f"{passed}/{len(calls)} tests pass\n" + "\n".join(lines)
+
+    async def reward(self, trajectory: Trajectory, state: EpisodeState) -> float:
+        calls: list[str] = state.task.data["tests"]
+        expected: list[object] = state.task.data["expected"]
+        sandbox = state.sandbox
+        code = None if sandbox is None else await self.candidate(trajectory, sandbox)
+        if sandbox is None or code is None:
+            return 0.0
+        values, _ = await self.run_candidate(sandbox, code, calls)
         return sum(map(_same, values, expected)) / len(calls)
 
 

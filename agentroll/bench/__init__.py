@@ -49,6 +49,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.autoscale",
         "an unbalanced separate-pools run with and without autoscale: idle imbalance",
     ),
+    "appopt": (
+        "agentroll.bench.appopt",
+        "application-level optimisations (tool-result cache) with vs without: speedup",
+    ),
     "vllm": (
         "agentroll.bench.vllm",
         "vllm backend tokens/s vs AsyncLLM.generate directly",

@@ -15,7 +15,9 @@ def main(args: argparse.Namespace) -> int:
     import agentroll.environments as builtin
     from agentroll.env import environment_class
 
-    for name in sorted(m.name for m in pkgutil.iter_modules(builtin.__path__)):
+    # a module whose name starts with "_" holds an environment's data, not an environment
+    modules = pkgutil.iter_modules(builtin.__path__)
+    for name in sorted(m.name for m in modules if not m.name.startswith("_")):
         doc = (environment_class(name).__doc__ or "").strip().splitlines()
         print(f"{name:16s} {doc[0] if doc else ''}")
     return 0

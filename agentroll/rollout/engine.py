@@ -43,6 +43,7 @@ from agentroll.rollout.builder import TrajectoryBuilder
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeJob, EpisodeRun, make_checkpoint
 from agentroll.rollout.episode_loop import EpisodeLoop, _finite, _Outcome, episode_seed
 from agentroll.rollout.pause import EpisodeView, PauseController, PolicyFn, as_policy_fn
+from agentroll.rollout.tool_cache import ToolCache
 from agentroll.types import Strategy, SyncReport, Task, Trajectory, new_id, unicode_safe
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_tool_output_chars: int = 16_384
     keep_messages: bool = True
     progress: ProgressMode = "auto"
+    # results of pure tools (@tool(pure=True)) cached per engine; a hit runs again with
+    # this chance (its first two per tool always) and a differing result turns it off
+    tool_cache: bool = False
+    tool_cache_verify: float = 0.05
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -76,6 +81,8 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("samples_per_task must be >= 1")
         if self.tool_threads < 1:
             raise ConfigError("tool_threads must be >= 1")
+        if not 0.0 <= self.tool_cache_verify <= 1.0:
+            raise ConfigError(f"tool_cache_verify={self.tool_cache_verify}: use a value in [0, 1]")
         for name in ("generation_timeout", "tool_timeout", "episode_timeout"):
             val = getattr(self, name)
             if val is not None and not val > 0:  # NaN too
@@ -128,6 +135,12 @@ class RolloutEngine(EpisodeLoop):
         self.tokenizer: ChatTokenizer = tok
         self.parser = get_tool_parser(self.config.tool_parser)
         self._tools = env.tools
+        self.tool_cache: ToolCache | None = (
+            ToolCache(verify_rate=self.config.tool_cache_verify, seed=self.config.seed)
+            if self.config.tool_cache
+            else None
+        )
+        self._tool_inflight = {}
         self._tool_specs = env.tool_specs or None
         self._has_group_reward = bool(env.rubric and env.rubric.group_funcs)
         self._executor: ThreadPoolExecutor | None = None

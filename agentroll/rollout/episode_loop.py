@@ -30,6 +30,7 @@ from agentroll.errors import BackendError, ChatTemplateError, ConfigError, Gener
 from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
+from agentroll.rollout.tool_cache import CACHEABLE_ERRORS, ToolCache, for_call
 from agentroll.sandbox import open_sandbox
 from agentroll.sandbox.base import Sandbox
 from agentroll.tool import call_tool
@@ -107,6 +108,8 @@ class EpisodeLoop:
     stats: dict[str, int]
     _tools: dict[str, Any]
     _tool_specs: Any
+    tool_cache: ToolCache | None
+    _tool_inflight: dict[str, asyncio.Future[ToolResult]]
     _executor: ThreadPoolExecutor | None
     _live: dict[str, EpisodeRun]
 
@@ -534,6 +537,9 @@ class EpisodeLoop:
         limits = (env.tool_timeout or self.config.tool_timeout, self.config.max_tool_output_chars)
 
         def run(call: ToolCall) -> Awaitable[ToolResult]:
+            tool = self._tools.get(call.name)
+            if self.tool_cache is not None and tool is not None and tool.pure:
+                return self._cached_call(tool, env, call, state, limits)
             return call_tool(self._tools, env, call, state, limits, self._executor)
 
         if len(calls) == 1:
@@ -541,6 +547,59 @@ class EpisodeLoop:
         elif calls:
             results.extend(await asyncio.gather(*(run(c) for c in calls)))
         return results
+
+    async def _cached_call(
+        self,
+        tool: Any,
+        env: Environment,
+        call: ToolCall,
+        state: EpisodeState,
+        limits: tuple[float, int],
+    ) -> ToolResult:
+        """A pure tool's call through the cache: a hit answers without running it, unless
+        it is sampled for verification; a miss whose key is already running (the samples
+        of a group make the same first call together) waits for that run and shares its
+        result; what runs is stored (and compared)."""
+        cache = self.tool_cache
+        assert cache is not None
+        try:
+            arguments = tool.validate(call.arguments)
+        except ValueError:  # call_tool says what is wrong with them
+            arguments = None
+        if arguments is None or not cache.enabled(tool.name):
+            return await call_tool(self._tools, env, call, state, limits, self._executor)
+        sandbox = None
+        if "sandbox" in tool.injected and state.sandbox is not None:
+            sandbox = await state.sandbox.state_digest()
+        task_id = state.task.id if "state" in tool.injected else None
+        key = cache.key(tool.name, arguments, task_id=task_id, sandbox=sandbox)
+        hit, verify = cache.lookup(tool.name, key)
+        if hit is not None and not verify:
+            return for_call(hit, call.id)
+        running = self._tool_inflight.get(key) if hit is None else None
+        if running is not None:
+            await asyncio.wait({running})  # its failure is not ours: then this call runs
+            if not running.cancelled() and running.exception() is None:
+                shared = running.result()
+                if shared.error in CACHEABLE_ERRORS and cache.enabled(tool.name):
+                    cache.joined()
+                    return for_call(msgspec.structs.replace(shared, cached=True), call.id)
+        mine: asyncio.Future[ToolResult] | None = None
+        if hit is None and key not in self._tool_inflight:
+            mine = self._tool_inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            fresh = await call_tool(self._tools, env, call, state, limits, self._executor)
+        except BaseException:
+            if mine is not None:
+                mine.cancel()
+            raise
+        finally:
+            if mine is not None:
+                self._tool_inflight.pop(key, None)
+        if mine is not None:
+            mine.set_result(fresh)
+        cache.store(tool.name, key, fresh)
+        return fresh
 
     async def _score(self, env: Environment, state: EpisodeState, traj: Trajectory) -> None:
         """Set ``traj.rewards`` and ``traj.reward`` from the rubric or ``env.reward``."""

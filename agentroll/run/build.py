@@ -160,6 +160,8 @@ def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
         tool_timeout=r.tool_timeout,
         episode_timeout=r.episode_timeout,
         tool_parser=r.tool_parser,
+        tool_cache=r.tool_cache,
+        tool_cache_verify=r.tool_cache_verify,
         progress="off",
     )
 

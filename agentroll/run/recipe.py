@@ -203,6 +203,7 @@ class RolloutSection(_Section, frozen=True):
         "samples_per_task": Bound(1, 4096, "samples"),
         "tool_timeout": SECONDS,
         "episode_timeout": Bound(0.001, 604_800.0, "seconds"),  # up to a week
+        "tool_cache_verify": Bound(0.0, 1.0, "(a probability)"),
     }
 
     concurrency: int = 32
@@ -212,6 +213,10 @@ class RolloutSection(_Section, frozen=True):
     # how assistant text becomes tool calls: hermes (<tool_call>{json}</tool_call>), or a
     # parser registered in entry point group agentroll.tool_parsers
     tool_parser: str = "hermes"
+    # cache the results of tools declared pure (@tool(pure=True)); a hit runs again with
+    # chance tool_cache_verify, and a tool whose result differs is no longer cached
+    tool_cache: bool = False
+    tool_cache_verify: float = 0.05
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,10 +9,14 @@ the owner, shielded from cancellation.
 from __future__ import annotations
 
 import abc
+import asyncio
+import io
+import tarfile
 from collections.abc import Mapping
 from typing import Any, Self
 
 import msgspec
+import xxhash
 
 from agentroll.plugins import SANDBOXES
 from agentroll.types import ExecResult
@@ -111,6 +115,13 @@ class Sandbox(abc.ABC):
     async def snapshot(self) -> bytes:
         """The working directory's contents as an opaque blob (a tar archive)."""
 
+    async def state_digest(self) -> str:
+        """A digest of the working directory's files (paths, kinds, modes and contents;
+        not times), so equal files give equal digests: the sandbox part of a pure tool's
+        cache key.  From ``snapshot()``; a sandbox may compute it more cheaply."""
+        blob = await self.snapshot()
+        return await asyncio.to_thread(tar_digest, blob)
+
     @abc.abstractmethod
     async def restore(self, blob: bytes) -> None:
         """Replace the working directory's contents with a ``snapshot()`` blob."""
@@ -125,3 +136,17 @@ class Sandbox(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def tar_digest(blob: bytes) -> str:
+    """The digest ``Sandbox.state_digest`` gives for a tar archive: its members in name
+    order, each as (name, kind, mode, link target, contents)."""
+    h = xxhash.xxh3_128()
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            h.update(f"{m.name}\0{m.type!r}\0{m.mode}\0{m.linkname}\0".encode())
+            if m.isfile():
+                f = tar.extractfile(m)
+                h.update(f.read() if f is not None else b"")
+            h.update(b"\0")
+    return h.hexdigest()

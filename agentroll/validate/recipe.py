@@ -109,23 +109,29 @@ async def recipe_episodes(
     episodes: int,
     *,
     update: WeightUpdate | None = None,
+    rollout: dict[str, Any] | None = None,
+    tool_cache: dict[str, Any] | None = None,
     **engine: Any,
 ) -> list[Trajectory]:
     """``episodes`` episodes of the recipe's environment on one built-in engine with the
     recipe's settings and ``engine`` overrides (batch-invariant), on the model's weights or
     ``update`` applied to them, unchanged during the run; sorted by (task, sample) so two
-    runs compare pair by pair."""
+    runs compare pair by pair.  ``rollout``: overrides of the ``RolloutConfig``;
+    ``tool_cache``: filled with the run's tool-cache figures when it has a cache."""
     from agentroll.rollout.engine import RolloutEngine
     from agentroll.run.build import rollout_config
 
     env, tasks = _tasks(recipe, episodes)
+    config = msgspec.structs.replace(rollout_config(recipe), **(rollout or {}))
     async with (
         _engine(recipe, model, **engine) as backend,
-        RolloutEngine(backend, env, rollout_config(recipe)) as engine_,
+        RolloutEngine(backend, env, config) as engine_,
     ):
         if update is not None:
             await engine_.sync(update)
         out = [t async for t in engine_.run(tasks)]
+        if tool_cache is not None and engine_.tool_cache is not None:
+            tool_cache.update(engine_.tool_cache.stats())
     return _ordered(out)
 
 
@@ -602,6 +608,39 @@ def _admission(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     return ok, figure, histograms(kept_w, every_o)
 
 
+def _tool_cache(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """The recipe's episodes with the result cache of pure tools against without: the
+    distributions must agree, and no tool declared pure may have returned two results for
+    one key (found by the cache's re-executions); with no hit the cache did nothing here."""
+    _enough(episodes)
+    stats: dict[str, Any] = {}
+
+    async def both() -> tuple[list[Trajectory], list[Trajectory]]:
+        on = {"tool_cache": True}
+        a = await recipe_episodes(recipe, model, episodes, rollout=on, tool_cache=stats)
+        b = await recipe_episodes(recipe, model, episodes, rollout={"tool_cache": False})
+        return a, b
+
+    with_, without = asyncio.run(both())
+    counts = (
+        f"hits={stats.get('hits', 0)} misses={stats.get('misses', 0)} "
+        f"verified={stats.get('verified', 0)}"
+    )
+    if stats.get("impure"):
+        return False, (
+            f"{counts} impure={','.join(stats['impure'])}: a tool declared pure returned a "
+            "different result for the same arguments and files; the cache stopped serving it "
+            "(drop pure=True from it, or make its result a function of its key)"
+        )
+    if not stats.get("hits"):
+        return False, (
+            f"{counts}: no call of a pure tool repeated a key in {episodes} episodes, so the "
+            "check saw nothing cached; use more --episodes or the recipe's trained model"
+        )
+    ok, figure = ks_compare(with_, without)
+    return ok, f"{counts} {figure}", histograms(with_, without)
+
+
 def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
     """As ``reward_curve``, but each step's batch starts on the previous step's weights and
     the trainer's current weights are synced in mid-generation under the ``keep`` policy,
@@ -709,6 +748,7 @@ def _checks() -> dict[str, Check]:
         "distribution:rolling": _rolling,
         "distribution:staleness": _staleness,
         "distribution:admission": _admission,
+        "distribution:tool_cache": _tool_cache,
         "end_to_end:kv_lag": _kv_lag,
         "end_to_end:async_off_policy": _async_off_policy,
         "end_to_end:importance_cap": _importance_cap,

@@ -155,6 +155,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "the engine serves in 16 bits while the trainer holds fp32",
     ),
     Optimisation(
+        "tool_cache",
+        "distribution",
+        ("rollout.tool_cache", "rollout.tool_cache_verify"),
+        lambda r: r.rollout.tool_cache,
+        "distribution:tool_cache",
+        "a pure tool's call with the same arguments and files returns the cached result",
+    ),
+    Optimisation(
         "partial_rollouts",
         "distribution",
         ("placement.partial_rollouts",),

@@ -23,7 +23,7 @@ TOK = tiny_chat_tokenizer()
 EXPECTED_TOOLS = {
     "calculator": {"calc"},
     "guess_number": set(),
-    "code_fix": {"python_exec", "read_file", "write_file"},
+    "code_fix": {"python_exec", "read_file", "write_file", "run_tests"},
 }
 
 
@@ -279,6 +279,32 @@ async def test_code_fix_accepts_a_solution_written_with_the_tools() -> None:
     (traj,) = await rollout(env, [task], script)
     assert traj.turns[1].tool_results[0].content.strip() == "True"
     assert (traj.status, traj.reward) == ("ok", 1.0)
+
+
+async def test_code_fix_run_tests_reports_each_test_and_is_served_from_the_cache() -> None:
+    env = load_environment("code_fix")
+    task = env.tasks()[0]  # mean: the bug divides by len - 1
+    buggy = re.search(r"```python\n(.*)```", task.data["prompt"], re.DOTALL)[1]  # type: ignore[index]
+    writes = "open('solution.py', 'w').write('x = 1')\n"
+    script = [
+        tool_call("run_tests", code=buggy),
+        tool_call("run_tests", code=writes + task.answer),
+        tool_call("read_file", path="solution.py"),
+        code_block(task.answer),
+    ]
+    trajs = await rollout(
+        env, [task] * 3, script, tool_cache=True, tool_cache_verify=0.0, concurrency=1
+    )
+    for traj in trajs:
+        first, second, read = (t.tool_results[0] for t in traj.turns[:3])
+        assert first.content.startswith("0/3 tests pass\nFAIL: mean([1, 2, 3]) returned 3.0")
+        assert second.content.splitlines()[0] == "3/3 tests pass"
+        assert read.error is not None  # the tested code ran in a scratch directory
+        assert (traj.status, traj.reward) == ("ok", 1.0)
+    assert env.tools["run_tests"].pure
+    # the first episode ran both; later ones were served (the first two hits verified)
+    cached = [[t.tool_results[0].cached for t in traj.turns[:2]] for traj in trajs]
+    assert cached[0] == [False, False] and sum(map(sum, cached)) == 2
 
 
 @pytest.mark.parametrize(

@@ -290,3 +290,45 @@ def test_the_kv_lag_curve_trains_on_batches_with_kv_lagged_tokens(
     recipe, model = recipe_and_model
     rewards, lagged = kv_lag_curve(recipe, model, steps=2)  # type: ignore[arg-type]
     assert len(rewards) == 2 and lagged > 0  # the second batch's update landed mid-generation
+
+
+@pytest.mark.parametrize(
+    ("stats", "verdict", "shows"),
+    [
+        ({"hits": 40, "misses": 24, "verified": 4, "impure": []}, "pass", "hits=40 misses=24"),
+        ({"hits": 40, "misses": 24, "verified": 4, "impure": ["clock"]}, "fail", "impure=clock"),
+        ({"hits": 0, "misses": 64, "verified": 0, "impure": []}, "fail", "use more --episodes"),
+    ],
+    ids=["served", "impure", "no-hit"],
+)
+def test_the_tool_cache_check_fails_an_impure_tool_and_a_run_with_nothing_cached(
+    monkeypatch: pytest.MonkeyPatch,
+    recipe_and_model: tuple[object, Path],
+    stats: dict[str, object],
+    verdict: str,
+    shows: str,
+) -> None:
+    import msgspec
+
+    from agentroll.validate import recipe as mod
+
+    seen: list[dict[str, object]] = []
+
+    async def fake(
+        recipe: object, model: Path, episodes: int, *, rollout: dict[str, object], **kw: object
+    ) -> list[Trajectory]:
+        seen.append(rollout)
+        if isinstance(kw.get("tool_cache"), dict):
+            kw["tool_cache"].update(stats)  # type: ignore[union-attr]
+        return _run(seed=len(seen), n=episodes)
+
+    monkeypatch.setattr(mod, "recipe_episodes", fake)
+    recipe, model = recipe_and_model
+    on = msgspec.structs.replace(
+        recipe,  # type: ignore[type-var]
+        rollout=msgspec.structs.replace(recipe.rollout, tool_cache=True),  # type: ignore[attr-defined]
+    )
+    (v,) = validate_recipe(on, model, episodes=64, only="tool_cache")
+    assert (v.risk, v.verdict) == ("distribution", verdict), v.figure
+    assert shows in v.figure
+    assert seen == [{"tool_cache": True}, {"tool_cache": False}]

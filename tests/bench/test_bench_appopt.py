@@ -1,0 +1,52 @@
+"""``agentroll bench appopt`` on small settings: the line's fields, the cache really served
+calls, the verdict compares what the two sides saw, and bad options say what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from agentroll.bench.appopt import AppOptBenchConfig, measure, run_side, verdict
+from agentroll.errors import ConfigError
+
+pytestmark = pytest.mark.bwrap
+
+
+def test_the_line_has_its_fields_and_the_cache_served_calls() -> None:
+    config = AppOptBenchConfig(episodes=16, samples=4, concurrency=4, pairs=5)
+    line = asyncio.run(measure(config, "tool_cache", lambda _: None))
+    fields = dict(kv.split("=") for kv in line.split())
+    assert list(fields)[:5] == ["opt", "speedup", "tokens_saved", "hits", "verdict"]
+    assert fields["opt"] == "tool_cache" and fields["verdict"] == "pass", line
+    assert fields["pairs"] == "5" and fields["episodes"] == "16" and fields["tool_calls"] == "32"
+    assert int(fields["hits"]) > 0 and fields["differ"] == "0" and fields["impure"] == "none"
+    assert float(fields["ratio_min"]) <= float(fields["speedup"]) <= float(fields["ratio_max"])
+
+
+def test_the_verdict_fails_when_the_sides_saw_different_tool_results() -> None:
+    config = AppOptBenchConfig(episodes=8, samples=4, concurrency=4, pairs=5)
+    with_ = asyncio.run(run_side(config, tool_cache=True))
+    without = asyncio.run(run_side(config, tool_cache=False))
+    assert verdict(with_, without) == (True, "differ=0 impure=none")
+    task, sample, results, reward = without.seen[0]
+    changed = [(task, sample, ("something else",) + results[1:], reward), *without.seen[1:]]
+    assert verdict(with_, dataclasses.replace(without, seen=changed))[0] is False
+    assert verdict(dataclasses.replace(with_, impure=("run_tests",)), without)[0] is False
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"opt": ("group_prefix_sharing",)}, "not built yet"),
+        ({"opt": ("vibes",)}, "unknown optimisation"),
+        ({"env": "calculator"}, "scripted agent exists for"),
+        ({"pairs": 2}, "--pairs must be >= 5"),
+        ({"episodes": 0}, "--episodes must be >= 1"),
+    ],
+)
+def test_bad_options_say_what_to_do(bad: dict[str, object], says: str) -> None:
+    kwargs = {("opts" if k == "opt" else k): v for k, v in bad.items()}
+    with pytest.raises(ConfigError, match=says):
+        AppOptBenchConfig(**kwargs)  # type: ignore[arg-type]
