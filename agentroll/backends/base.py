@@ -39,6 +39,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingParams
     episode_id: str = ""
     turn_index: int = 0
+    group_id: str = ""  # the episode's group (its task's samples): a fleet keeps it together
 
 
 class GenerationChunk(msgspec.Struct, kw_only=True):

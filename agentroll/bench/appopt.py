@@ -4,9 +4,13 @@ The same episodes of ``code_fix`` (a scripted agent on the real token path and t
 sandbox: it runs the tests on the original code, then on its candidate, then answers) run
 with and without each optimisation, alternately, ``--pairs`` times in one run; the speedup
 is the median of the per-pair episodes/s ratios (``ratio_min``/``ratio_max``: its range).
-Its verdict is the optimisation's validate verdict on the bench's own episodes: the same
-tool results and rewards per (task, sample) as without, the two-sample tests of
-``agentroll validate`` passing, and no tool found impure.  Built: ``tool_cache``.
+Its verdict is the optimisation's validate verdict on the bench's own episodes.
+``tool_cache``: the scripted agent on the mock backend; the same tool results and rewards
+per (task, sample) as without, the two-sample tests passing, no tool found impure.
+``group_prefix_sharing``: the tiny model on the built-in engine (batch-invariant); the
+same tokens and logprobs per (task, sample) as without, and ``prefill_saved`` (the share
+of prompt tokens no prefill computed: forked, or served by the prefix cache) against its
+target ``(n - 1) / n``; ``prefill_saved_without`` is the prefix cache's alone.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from agentroll.bench.pairs import DEFAULT_PAIRS, alternate_async, check_pairs, p
 from agentroll.errors import ConfigError
 
 #: optimisations this benchmark measures, and those it cannot measure yet (not built)
-BUILT = ("tool_cache",)
-NOT_BUILT = ("group_prefix_sharing", "sandbox_prewarm", "early_group_cutoff")
+BUILT = ("tool_cache", "group_prefix_sharing")
+NOT_BUILT = ("sandbox_prewarm", "early_group_cutoff")
 ENVS = ("code_fix",)
 #: the chance the scripted agent's candidate is the correct fix (else it retries the bug)
 P_FIXED = 0.7
@@ -105,15 +109,24 @@ class Side:
     calls: int
     hits: int
     impure: tuple[str, ...]
-    seen: list[tuple[str, int, tuple[str, ...], float]]
+    seen: list[tuple[Any, ...]]
     trajectories: list[Any]
+    shared_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_computed: int = 0
 
 
-async def run_side(config: AppOptBenchConfig, *, tool_cache: bool) -> Side:
-    """The bench's episodes once, on a fresh engine (and a fresh cache)."""
+async def run_side(
+    config: AppOptBenchConfig, *, tool_cache: bool = False, opt: str = "tool_cache", on: bool = True
+) -> Side:
+    """The bench's episodes once, on a fresh engine (and a fresh cache): ``tool_cache``
+    with or without the cache (``tool_cache``); ``group_prefix_sharing`` with or without
+    it (``on``)."""
     from agentroll.backends.base import SamplingParams
     from agentroll.backends.mock import MockBackend
+    from agentroll.backends.torch import TorchBackend
     from agentroll.env import load_environment
+    from agentroll.model.tiny import ensure_tiny_model
     from agentroll.model.tokenizer import tiny_chat_tokenizer
     from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 
@@ -122,23 +135,38 @@ async def run_side(config: AppOptBenchConfig, *, tool_cache: bool) -> Side:
     tasks = list(env.tasks())
     groups = max(1, config.episodes // config.samples)
     chosen = [tasks[i % len(tasks)] for i in range(groups)]
-    backend = MockBackend(code_fix_agent(tok, tasks, config.seed), tokenizer=tok)
+    on_model = opt == "group_prefix_sharing"
+    backend: Any = (
+        TorchBackend(
+            str(ensure_tiny_model()),
+            batch_invariant=True,
+            kv_cache_mb=64,
+            max_num_seqs=max(8, config.concurrency),
+            share_group_prefill=on,
+        )
+        if on_model
+        else MockBackend(code_fix_agent(tok, tasks, config.seed), tokenizer=tok)
+    )
     cfg = RolloutConfig(
         concurrency=config.concurrency,
         samples_per_task=config.samples,
-        sampling=SamplingParams(max_tokens=1024),
+        # the tiny model's turns: short, so the prompts' prefill is a visible share
+        sampling=SamplingParams(max_tokens=16 if on_model else 1024),
         seed=config.seed,
-        tool_cache=tool_cache,
+        tool_cache=tool_cache and not on_model,
         keep_messages=False,
         progress="off",
     )
     out = []
-    async with RolloutEngine(backend, env, cfg, tokenizer=tok) as engine:
+    async with backend, RolloutEngine(backend, env, cfg, tokenizer=tok) as engine:
         start = time.perf_counter()
         out = [t async for t in engine.run(chosen)]
         elapsed = time.perf_counter() - start
         stats = engine.tool_cache.stats() if engine.tool_cache is not None else {}
-    failed = [t for t in out if t.status != "ok"]
+        sched = backend.engine.scheduler if on_model else None
+        shared = sched.num_shared_tokens if sched is not None else 0
+        prompts = (sched.num_prompt_tokens, sched.num_prompt_computed) if sched else (0, 0)
+    failed = [t for t in out if t.status == "failed"]
     if failed:
         raise RuntimeError(
             f"{len(failed)} of {len(out)} bench episodes failed (first: {failed[0].error}); "
@@ -150,6 +178,8 @@ async def run_side(config: AppOptBenchConfig, *, tool_cache: bool) -> Side:
             t.sample_index,
             tuple(r.content for turn in t.turns for r in turn.tool_results),
             t.reward,
+            tuple(t.token_ids.tolist()) if on_model else (),
+            t.logprobs.tobytes() if on_model else b"",  # bytes: NaN (not sampled) == NaN
         )
         for t in out
     )
@@ -160,6 +190,9 @@ async def run_side(config: AppOptBenchConfig, *, tool_cache: bool) -> Side:
         impure=tuple(stats.get("impure", ())),
         seen=seen,
         trajectories=out,
+        shared_tokens=shared,
+        prompt_tokens=prompts[0],
+        prompt_computed=prompts[1],
     )
 
 
@@ -174,11 +207,16 @@ def verdict(with_: Side, without: Side) -> tuple[bool, str]:
     return ok, f"differ={differ} impure={','.join(with_.impure) or 'none'}"
 
 
+def prefill_target(config: AppOptBenchConfig) -> float:
+    """The share of first-turn prompt prefill group sharing must save: ``(n - 1) / n``."""
+    return (config.samples - 1) / config.samples
+
+
 async def measure(config: AppOptBenchConfig, opt: str, say: Callable[[str], None]) -> str:
     """The result line of ``opt``: ``config.pairs`` alternating runs with and without."""
 
     async def side(i: int, on: bool) -> Side:
-        s = await run_side(config, tool_cache=on)
+        s = await run_side(config, tool_cache=on, opt=opt, on=on)
         what = "with" if on else "without"
         say(f"{opt} pair {i + 1}/{config.pairs}: {what} {s.episodes_per_s:.1f} episodes/s")
         return s
@@ -187,16 +225,30 @@ async def measure(config: AppOptBenchConfig, opt: str, say: Callable[[str], None
     ratio = paired_ratio([(a.episodes_per_s, b.episodes_per_s) for a, b in sides])
     ok, why = verdict(*sides[-1])
     mid = len(sides) // 2
+    saved = ""
+    if opt == "group_prefix_sharing":
+
+        def saved_share(s: Side) -> float:
+            return 1 - s.prompt_computed / max(1, s.prompt_tokens)
+
+        with_ = sorted(saved_share(a) for a, _ in sides)[mid]
+        without = sorted(saved_share(b) for _, b in sides)[mid]
+        target = prefill_target(config)
+        ok = ok and with_ >= target
+        saved = (
+            f" prefill_saved={with_:.3f} prefill_saved_without={without:.3f} target={target:.3f}"
+        )
     hits = sorted(a.hits for a, _ in sides)[mid]
+    tokens_saved = sorted(a.shared_tokens for a, _ in sides)[mid]
     eps_with = sorted(a.episodes_per_s for a, _ in sides)[mid]
     eps_without = sorted(b.episodes_per_s for _, b in sides)[mid]
     last = sides[-1][1]
     return (
-        f"opt={opt} speedup={ratio.ratio:.2f} tokens_saved=0 hits={hits} "
+        f"opt={opt} speedup={ratio.ratio:.2f} tokens_saved={tokens_saved} hits={hits} "
         f"verdict={'pass' if ok else 'fail'} ratio_min={ratio.ratio_min:.2f} "
         f"ratio_max={ratio.ratio_max:.2f} pairs={ratio.pairs} "
         f"episodes={len(last.trajectories)} tool_calls={last.calls} "
-        f"with_eps={eps_with:.1f} without_eps={eps_without:.1f} {why}"
+        f"with_eps={eps_with:.1f} without_eps={eps_without:.1f} {why}{saved}"
     )
 
 

@@ -208,6 +208,31 @@ class BlockManager:
         for _ in range(missing):
             seq.block_table.append(self._take_free_block())
 
+    def can_fork(self, src: Sequence) -> bool:
+        """Whether ``fork`` can give a sequence the KV of ``src``'s tokens now."""
+        return (src.num_tokens % self.block_size != 0) <= self.num_free_blocks
+
+    def fork(self, src: Sequence, dst: Sequence) -> tuple[int, int] | None:
+        """Give ``dst`` (same tokens as ``src``, no blocks) the blocks of ``src``'s tokens:
+        the full ones shared, the last partial one a fresh block whose KV the caller copies
+        from ``src``'s (returned as ``(src block, dst block)``; None when there is none).
+        Raises RuntimeError if ``dst`` holds blocks or ``can_fork`` is false."""
+        if dst.block_table:
+            raise RuntimeError(f"{dst.seq_id!r} already holds blocks; free it first")
+        if not self.can_fork(src):
+            raise RuntimeError(f"not enough free KV blocks to fork {src.seq_id!r}")
+        full = src.num_tokens // self.block_size
+        table = src.block_table[:full]
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1  # in use by src: never evictable here
+        copy = None
+        if src.num_tokens % self.block_size:
+            copy = (src.block_table[full], self._take_free_block())
+            table.append(copy[1])
+        dst.block_table = table
+        dst.block_hashes = src.block_hashes[:full]
+        return copy
+
     # -- prefix cache --------------------------------------------------------------------
 
     def mark_computed(self, seq: Sequence) -> None:

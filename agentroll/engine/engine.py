@@ -49,6 +49,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Requests with identical prompts (the samples of a group) arriving while one of them is
+    # prefilled fork its KV and sample their first token from its logits: one prefill per
+    # group.  In batch-invariant mode their tokens are those they would sample alone.
+    share_group_prefill: bool = True
     # True: a request's tokens and logprobs do not depend on the rest of the batch (needed
     # for bit-exact pause/resume/migrate parity); costs throughput (see `bench engine`).
     batch_invariant: bool = False
@@ -166,6 +170,7 @@ class LLMEngine:
                 num_blocks=num_blocks,
                 enable_prefix_caching=config.enable_prefix_caching,
                 max_model_len=max_len,
+                enable_group_sharing=config.share_group_prefill,
             )
         )
         self.requests: dict[str, Request] = {}
@@ -308,14 +313,22 @@ class LLMEngine:
             for s in scheduled
         ]
         fwd = self.runner.forward(items)
+        for fork in out.forks:
+            if fork.copy is not None:  # the leader's partial block, written by this forward
+                k, v = self.runner.read_blocks([fork.copy[0]])
+                self.runner.write_blocks([fork.copy[1]], k, v)
         sampling = [i for i, s in enumerate(scheduled) if s.samples]
         sampled: dict[str, int] = {}
         by_id: dict[str, StepOutput] = {}
         if sampling:
             seqs = [scheduled[i].seq for i in sampling]
             requests = self.requests
-            reqs = [requests[seq.seq_id] for seq in seqs]
             logits = fwd.last(sampling)
+            if out.forks:  # a fork samples from its leader's logits row
+                row = {seq.seq_id: i for i, seq in enumerate(seqs)}
+                logits = logits[list(range(len(seqs))) + [row[f.leader.seq_id] for f in out.forks]]
+                seqs += [f.seq for f in out.forks]
+            reqs = [requests[seq.seq_id] for seq in seqs]
             # the random number of a token is a function of (seed, step): see sampler.py
             tokens, logprobs = sample(
                 logits,

@@ -3,6 +3,8 @@ Invariants: a step never exceeds ``max_num_batched_tokens`` tokens or ``max_num_
 sequences; FCFS by arrival (decodes first, then prefill chunks); a PAUSED sequence is never
 scheduled and keeps its blocks; KV pressure preempts the latest arrival by recompute, never an
 error; a sequence that cannot fit even alone is rejected on its own. Same calls, same schedule.
+Group sharing: fresh prompts identical to one being prefilled wait for it and then fork its
+KV, sampling their first token from its logits (one prefill per group of samples).
 Pure and synchronous: no torch, no asyncio, no I/O.
 """
 
@@ -29,6 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    enable_group_sharing: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -64,6 +67,18 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class Fork:
+    """``seq`` (a fresh prompt equal to ``leader``'s) starts from the KV ``leader``'s prompt
+    computes in this step: it shares the full blocks, gets ``copy[1]`` as its copy of the
+    partial last block ``copy[0]`` (None: no partial block), and samples its first token
+    from ``leader``'s last logits."""
+
+    leader: Sequence
+    seq: Sequence
+    copy: tuple[int, int] | None
+
+
+@dataclass(slots=True)
 class Rejection:
     """A sequence that can never be scheduled; it is FINISHED and holds no blocks."""
 
@@ -76,6 +91,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # back to WAITING, KV dropped
     rejected: list[Rejection] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -109,6 +125,13 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
         self._rejected: list[Rejection] = []  # reported by the next schedule()
         self._next_arrival = 0
+        # group sharing: the prompt key of each unfinished sequence, the sequence whose
+        # prompt of a key is being prefilled, and the prompt tokens forks did not compute
+        self._prompt_key: dict[str, int] = {}
+        self._prefilling: dict[int, Sequence] = {}
+        self.num_shared_tokens = 0
+        self.num_prompt_tokens = 0  # of every sequence added fresh
+        self.num_prompt_computed = 0  # of those, tokens prefill steps computed
 
     def get(self, seq_id: str) -> Sequence:
         """The unfinished sequence ``seq_id``; raises KeyError if there is none."""
@@ -163,6 +186,9 @@ class Scheduler:
             self._rejected.append(Rejection(seq, reason))
             return False
         self._seqs[seq.seq_id] = seq
+        self.num_prompt_tokens += seq.num_prompt_tokens
+        if self.config.enable_group_sharing and seq.num_generated == 0:
+            self._prompt_key[seq.seq_id] = hash(tuple(seq.token_ids))
         self._enqueue(seq, SequenceStatus.WAITING)
         return True
 
@@ -248,11 +274,16 @@ class Scheduler:
                 num_new = budget
             if not self._reserve(seq, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, num_new, is_prefill=True))
+            out.scheduled.append(item := ScheduledSeq(seq, num_new, is_prefill=True))
             budget -= num_new
+            self._share(item, out)
 
-        while self.waiting and not full() and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0  # the head of the queue, past sequences waiting for a twin's prefill
+        while index < len(self.waiting) and not full() and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[index]
+            if self._waits_for_twin(seq):
+                index += 1
+                continue
             reason = self._rejection_reason(seq)
             if reason is not None:
                 self._reject(seq, reason, out)
@@ -262,13 +293,70 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             seq.num_computed_tokens = self.block_manager.allocate(seq)
             self._enqueue(seq, SequenceStatus.RUNNING)
             num_new = min(num_new, budget)
-            out.scheduled.append(ScheduledSeq(seq, num_new, is_prefill=True))
+            out.scheduled.append(item := ScheduledSeq(seq, num_new, is_prefill=True))
             budget -= num_new
+            self._share(item, out)
         return out
+
+    # -- group sharing -------------------------------------------------------------------------
+
+    def _twin_of(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether ``other`` is a fresh prompt with ``seq``'s tokens under its kv_version."""
+        return (
+            other is not seq
+            and other.num_generated == 0
+            and other.kv_version == seq.kv_version
+            and other.token_ids == seq.token_ids
+        )
+
+    def _waits_for_twin(self, seq: Sequence) -> bool:
+        """A fresh prompt equal to one whose prefill is under way waits to fork its KV."""
+        key = self._prompt_key.get(seq.seq_id)
+        leader = self._prefilling.get(key) if key is not None else None
+        if leader is None:
+            return False
+        if (
+            leader.status is SequenceStatus.RUNNING
+            and leader.num_computed_tokens < leader.num_tokens
+            and self._twin_of(leader, seq)
+            and seq.num_computed_tokens == 0
+        ):
+            return True
+        if leader.status is not SequenceStatus.RUNNING or leader.num_generated:
+            del self._prefilling[key]  # type: ignore[arg-type]
+        return False
+
+    def _share(self, item: ScheduledSeq, out: SchedulerOutput) -> None:
+        """After scheduling a fresh prompt's prefill chunk: if it is the last, fork the
+        waiting twins of the prompt onto its KV; else mark it as the prompt's prefill."""
+        seq = item.seq
+        if seq.num_generated == 0:
+            self.num_prompt_computed += item.num_new_tokens
+        key = self._prompt_key.get(seq.seq_id)
+        if key is None or seq.num_generated or not seq.is_kv_uniform:
+            return
+        if not item.samples:
+            self._prefilling.setdefault(key, seq)
+            return
+        if self._prefilling.get(key) is seq:
+            del self._prefilling[key]
+        manager = self.block_manager
+        twins = [w for w in self.waiting if self._prompt_key.get(w.seq_id) == key]
+        for twin in twins:
+            if len(self.running) >= self.config.max_num_seqs or not manager.can_fork(seq):
+                break
+            if not self._twin_of(seq, twin) or twin.num_computed_tokens:
+                continue
+            self.waiting.remove(twin)
+            copy = manager.fork(seq, twin)
+            twin.num_computed_tokens = twin.num_tokens
+            self._enqueue(twin, SequenceStatus.RUNNING)
+            out.forks.append(Fork(seq, twin, copy))
+            self.num_shared_tokens += twin.num_tokens
 
     def _may_chunk(self, seq: Sequence) -> bool:
         # a recomputation (after preemption or `recompute`) is chunked even when prompts are
@@ -283,7 +371,9 @@ class Scheduler:
             self._reject(seq, reason, out)
             return False
         while not self.block_manager.can_append(seq):
+            # a fork of this step is never a victim: its partial block is copied after it
             scheduled = {item.seq.seq_id for item in out.scheduled}
+            scheduled.update(fork.seq.seq_id for fork in out.forks)
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), seq)
             self._preempt(victim, out)
             if victim is seq:
@@ -322,6 +412,16 @@ class Scheduler:
                 continue
             token_id = sampled.get(seq.seq_id)
             if token_id is not None and not seq.reached_max_tokens():  # max_tokens=0: scoring
+                seq.token_ids.append(token_id)
+            if seq.reached_max_tokens() or (max_len is not None and len(seq.token_ids) >= max_len):
+                self._finish(seq, FinishReason.LENGTH)
+                finished.append(seq)
+        for fork in output.forks:
+            seq = fork.seq
+            if not seq.block_table or seq.num_computed_tokens != len(seq.token_ids):
+                continue  # finished, preempted or made to recompute since schedule()
+            token_id = sampled.get(seq.seq_id)
+            if token_id is not None and not seq.reached_max_tokens():
                 seq.token_ids.append(token_id)
             if seq.reached_max_tokens() or (max_len is not None and len(seq.token_ids) >= max_len):
                 self._finish(seq, FinishReason.LENGTH)
@@ -401,6 +501,9 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if self._seqs.pop(seq.seq_id, None) is not None:
             self._dequeue(seq)
+        key = self._prompt_key.pop(seq.seq_id, None)
+        if key is not None and self._prefilling.get(key) is seq:
+            del self._prefilling[key]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

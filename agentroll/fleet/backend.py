@@ -338,9 +338,14 @@ class FleetBackend(Backend, UpdatesInRotation, SupportsSleep):
             if pin is not None and all(s.version != pin for s in alive):
                 self.router.unpin(call.episode_id)  # its version is gone for good
                 self.stats.pin_breaks += 1
-            name = self.router.pick(call.episode_id, exclude, prefer_newest=self.pin_versions)
+            name = self.router.pick(
+                call.episode_id,
+                exclude,
+                prefer_newest=self.pin_versions,
+                group_id=call.request.group_id,
+            )
             if name is not None:
-                self.router.started(call.episode_id, name)
+                self.router.started(call.episode_id, name, group_id=call.request.group_id)
                 replica = self.replicas[name]
                 if self.pin_versions:
                     self.router.pin(call.episode_id, replica.version)

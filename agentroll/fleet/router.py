@@ -2,16 +2,19 @@
 
 Invariants: only ``active`` replicas take new calls; a pinned episode only goes to a replica
 at its pinned version; loads never go negative; a replica that is ``down`` is never picked
-again; ``forget`` drops every trace of an episode (no unbounded growth over a long run).
+again; ``forget`` drops every trace of an episode and at most ``MAX_GROUPS`` groups are
+remembered (no unbounded growth over a long run).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
 ReplicaStatus = Literal["active", "draining", "updating", "failed", "down"]
+MAX_GROUPS = 4096  # groups whose replica is remembered (the most recent)
 
 
 @dataclass(slots=True)
@@ -31,15 +34,20 @@ class Router:
     replicas take new calls; a pinned episode only goes to a replica at its pinned version; an
     episode goes back to the replica that served its previous call (its prefix KV is cached
     there) unless that replica carries more than ``affinity_slack`` calls above the
-    least-loaded candidate; otherwise the least-loaded candidate (load relative to capacity),
-    ties broken by name.  ``pick`` returns ``None`` when no replica may take the call now (the
-    caller waits for ``changed``).
+    least-loaded candidate; an episode's first call goes to the replica of its group's
+    earlier episodes (the samples of a task share their prompt's prefill and prefix cache
+    there) unless that one carries more than ``group_slack`` calls above the least-loaded;
+    otherwise the least-loaded candidate (load relative to capacity), ties broken by name.
+    ``pick`` returns ``None`` when no replica may take the call now (the caller waits for
+    ``changed``).
     """
 
-    def __init__(self, *, affinity_slack: int = 2) -> None:
-        if affinity_slack < 0:
-            raise ValueError("affinity_slack must be >= 0")
+    def __init__(self, *, affinity_slack: int = 2, group_slack: int = 64) -> None:
+        if affinity_slack < 0 or group_slack < 0:
+            raise ValueError("affinity_slack and group_slack must be >= 0")
         self.affinity_slack = affinity_slack
+        self.group_slack = group_slack
+        self._groups: OrderedDict[str, str] = OrderedDict()  # group -> replica
         self.slots: dict[str, ReplicaSlot] = {}
         self._last: dict[str, str] = {}  # episode -> replica of its previous call
         self._pins: dict[str, int] = {}  # episode -> pinned version
@@ -61,6 +69,8 @@ class Router:
         del self.slots[name]
         for episode in [e for e, n in self._last.items() if n == name]:
             del self._last[episode]
+        for group in [g for g, n in self._groups.items() if n == name]:
+            del self._groups[group]
 
     def set_status(self, name: str, status: ReplicaStatus) -> None:
         slot = self.slots[name]
@@ -115,7 +125,12 @@ class Router:
         return cands
 
     def pick(
-        self, episode_id: str, exclude: Collection[str] = (), *, prefer_newest: bool = False
+        self,
+        episode_id: str,
+        exclude: Collection[str] = (),
+        *,
+        prefer_newest: bool = False,
+        group_id: str = "",
     ) -> str | None:
         """The replica that should serve the episode's next call, or None (wait)."""
         cands = self.candidates(episode_id, exclude, prefer_newest=prefer_newest)
@@ -125,15 +140,24 @@ class Router:
         last = self.slots.get(self._last.get(episode_id, ""))
         if last is not None and last in cands and last.load <= best.load + self.affinity_slack:
             return last.name
+        if last is None and group_id:
+            home = self.slots.get(self._groups.get(group_id, ""))
+            if home is not None and home in cands and home.load <= best.load + self.group_slack:
+                return home.name
         return best.name
 
-    def started(self, episode_id: str, name: str) -> None:
+    def started(self, episode_id: str, name: str, *, group_id: str = "") -> None:
         self.slots[name].load += 1
         self._last[episode_id] = name
+        if group_id:
+            self._groups[group_id] = name
+            self._groups.move_to_end(group_id)
+            if len(self._groups) > MAX_GROUPS:
+                self._groups.popitem(last=False)
 
     def finished(self, name: str) -> None:
         slot = self.slots[name]
         slot.load = max(0, slot.load - 1)
 
 
-__all__ = ["ReplicaSlot", "ReplicaStatus", "Router"]
+__all__ = ["MAX_GROUPS", "ReplicaSlot", "ReplicaStatus", "Router"]

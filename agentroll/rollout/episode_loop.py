@@ -343,6 +343,7 @@ class EpisodeLoop:
                 sampling=sampling,
                 episode_id=state.episode_id,
                 turn_index=index,
+                group_id=run.group_id,
             )
             t0 = time.perf_counter()
             finish = await self._generate(request, run)

@@ -87,6 +87,7 @@ def torch_engine(recipe: Recipe, model_dir: str | Path) -> Backend:
         kv_cache_mb=b.kv_cache_mb,
         max_num_seqs=b.max_num_seqs,
         max_num_batched_tokens=b.prefill_budget,
+        share_group_prefill=b.share_group_prefill,
     )
 
 

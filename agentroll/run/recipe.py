@@ -159,6 +159,9 @@ class BackendSection(_Section, frozen=True):
     kv_cache_mb: int = 128
     max_num_seqs: int = 64
     prefill_budget: int = 1024  # tokens of prefill per engine step (bounds pause latency)
+    # torch: the samples of a group that meet in one prefill share it (one prefill per
+    # group; in batch-invariant mode their tokens are those they would sample alone)
+    share_group_prefill: bool = True
     # vllm: how updates reach the engine (reload: a verified checkpoint; nccl / sparse_nccl:
     # vLLM's NCCL transfer from transfer_devices[i], a CUDA device per replica, not vLLM's)
     weight_transfer: Literal["reload", "nccl", "sparse_nccl"] = "reload"

@@ -85,6 +85,7 @@ def _engine(recipe: Recipe, model: Path, **engine: Any) -> Any:
         "kv_cache_mb": b.kv_cache_mb,
         "max_num_seqs": b.max_num_seqs,
         "max_num_batched_tokens": b.prefill_budget,
+        "share_group_prefill": b.share_group_prefill,
         "batch_invariant": True,
         **engine,
     }
@@ -111,13 +112,16 @@ async def recipe_episodes(
     update: WeightUpdate | None = None,
     rollout: dict[str, Any] | None = None,
     tool_cache: dict[str, Any] | None = None,
+    engine_stats: dict[str, Any] | None = None,
     **engine: Any,
 ) -> list[Trajectory]:
     """``episodes`` episodes of the recipe's environment on one built-in engine with the
     recipe's settings and ``engine`` overrides (batch-invariant), on the model's weights or
     ``update`` applied to them, unchanged during the run; sorted by (task, sample) so two
     runs compare pair by pair.  ``rollout``: overrides of the ``RolloutConfig``;
-    ``tool_cache``: filled with the run's tool-cache figures when it has a cache."""
+    ``tool_cache``: filled with the run's tool-cache figures when it has a cache;
+    ``engine_stats``: with the engine's (``shared_tokens``: prompt tokens group forks did
+    not compute, ``prompt_tokens``: prompt tokens of all requests)."""
     from agentroll.rollout.engine import RolloutEngine
     from agentroll.run.build import rollout_config
 
@@ -132,6 +136,10 @@ async def recipe_episodes(
         out = [t async for t in engine_.run(tasks)]
         if tool_cache is not None and engine_.tool_cache is not None:
             tool_cache.update(engine_.tool_cache.stats())
+        if engine_stats is not None:
+            sched = backend.engine.scheduler
+            engine_stats["shared_tokens"] = sched.num_shared_tokens
+            engine_stats["prompt_tokens"] = sched.num_prompt_tokens
     return _ordered(out)
 
 
@@ -608,6 +616,26 @@ def _admission(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     return ok, figure, histograms(kept_w, every_o)
 
 
+def _group_prefill(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """The recipe's episodes with group prefill sharing against without, token for token;
+    a run where no group's samples met in a prefill checked nothing and fails."""
+    stats: dict[str, Any] = {}
+
+    async def both() -> tuple[list[Trajectory], list[Trajectory]]:
+        a = await recipe_episodes(
+            recipe, model, episodes, engine_stats=stats, share_group_prefill=True
+        )
+        b = await recipe_episodes(recipe, model, episodes, share_group_prefill=False)
+        return a, b
+
+    with_, without = asyncio.run(both())
+    ok, figure = token_parity(with_, without)
+    shared = f"shared_tokens={stats['shared_tokens']}/{stats['prompt_tokens']}"
+    if not stats["shared_tokens"]:
+        return False, f"{shared}: no group's samples met in one prefill, nothing was shared"
+    return ok, f"{shared} {figure}"
+
+
 def _tool_cache(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """The recipe's episodes with the result cache of pure tools against without: the
     distributions must agree, and no tool declared pure may have returned two results for
@@ -739,6 +767,7 @@ def _checks() -> dict[str, Check]:
         "unit:layout_roundtrip": _existing(check_layout_roundtrip),
         "token_parity:prefix_cache": parity_check(without={"enable_prefix_caching": False}),
         "token_parity:chunked_prefill": parity_check(without={"max_num_batched_tokens": 1 << 16}),
+        "token_parity:group_prefill": _group_prefill,
         "token_parity:reference": _existing(check_reference_parity),
         "token_parity:pause_resume": _existing(check_token_parity_pause),
         "token_parity:migrate": _existing(check_token_parity_migrate),

@@ -83,6 +83,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "long prompts prefill in chunks batched with decode steps",
     ),
     Optimisation(
+        "group_prefill_sharing",
+        "token_parity",
+        ("backend.share_group_prefill",),
+        lambda r: _torch(r) and r.backend.share_group_prefill and r.rollout.samples_per_task > 1,
+        "token_parity:group_prefill",
+        "the samples of a group that meet in one prefill fork its KV and logits",
+    ),
+    Optimisation(
         "cpu_kernels",
         "token_parity",
         ("backend.kind",),

@@ -25,13 +25,22 @@ def test_the_line_has_its_fields_and_the_cache_served_calls() -> None:
     assert float(fields["ratio_min"]) <= float(fields["speedup"]) <= float(fields["ratio_max"])
 
 
+def test_group_sharing_keeps_every_token_and_saves_the_groups_prefill() -> None:
+    config = AppOptBenchConfig(episodes=16, samples=4, concurrency=8, pairs=5)
+    line = asyncio.run(measure(config, "group_prefix_sharing", lambda _: None))
+    fields = dict(kv.split("=") for kv in line.split())
+    assert fields["verdict"] == "pass" and fields["differ"] == "0", line
+    assert int(fields["tokens_saved"]) > 0 and fields["target"] == "0.750"
+    assert float(fields["prefill_saved"]) >= 0.75
+
+
 def test_the_verdict_fails_when_the_sides_saw_different_tool_results() -> None:
     config = AppOptBenchConfig(episodes=8, samples=4, concurrency=4, pairs=5)
     with_ = asyncio.run(run_side(config, tool_cache=True))
     without = asyncio.run(run_side(config, tool_cache=False))
     assert verdict(with_, without) == (True, "differ=0 impure=none")
-    task, sample, results, reward = without.seen[0]
-    changed = [(task, sample, ("something else",) + results[1:], reward), *without.seen[1:]]
+    task, sample, results, *rest = without.seen[0]
+    changed = [(task, sample, ("something else",) + results[1:], *rest), *without.seen[1:]]
     assert verdict(with_, dataclasses.replace(without, seen=changed))[0] is False
     assert verdict(dataclasses.replace(with_, impure=("run_tests",)), without)[0] is False
 
@@ -39,7 +48,7 @@ def test_the_verdict_fails_when_the_sides_saw_different_tool_results() -> None:
 @pytest.mark.parametrize(
     ("bad", "says"),
     [
-        ({"opt": ("group_prefix_sharing",)}, "not built yet"),
+        ({"opt": ("sandbox_prewarm",)}, "not built yet"),
         ({"opt": ("vibes",)}, "unknown optimisation"),
         ({"env": "calculator"}, "scripted agent exists for"),
         ({"pairs": 2}, "--pairs must be >= 5"),

@@ -390,3 +390,40 @@ def test_decode_steps_run_the_whole_model_in_one_kernel_call(
             assert len(calls) == steps and not calls[0]  # the first step prefills
         else:
             assert calls == [True] * (steps - 1)
+
+
+@pytest.mark.parametrize("chars", [7, 150], ids=["one-chunk", "chunked"])
+def test_a_group_of_identical_prompts_prefills_once_and_samples_as_alone(
+    tiny_model: Path, chars: int
+) -> None:
+    """Samples of one prompt fork the KV of the first one's prefill (its partial block
+    copied) and sample their first token from its logits: in batch-invariant mode every
+    token and logprob is what they sample with sharing off, and the prompt is computed once."""
+
+    def engine(share: bool) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_model),
+                num_blocks=256,
+                batch_invariant=True,
+                max_num_batched_tokens=64,  # the longer prompt prefills in chunks
+                share_group_prefill=share,
+            )
+        )
+
+    on, off = engine(True), engine(False)
+    text = "group " + "x" * chars
+    group = {
+        f"g{i}": (prompt(on, text), SamplingParams(temperature=1.0, max_tokens=12, seed=i))
+        for i in range(4)
+    }
+    other = {"solo": (prompt(on, "another prompt"), SamplingParams(max_tokens=12, seed=9))}
+    n = len(prompt(on, text))
+    assert n % 16 != 0 and (n > 64) == (chars > 64)  # a partial last block; chunks
+    got, ref = run(on, {**group, **other}), run(off, {**group, **other})
+    assert {k: [(o.token_id, o.logprob) for o in v] for k, v in got.items()} == {
+        k: [(o.token_id, o.logprob) for o in v] for k, v in ref.items()
+    }
+    assert len({tuple(o.token_id for o in got[k]) for k in group}) > 1  # samples differ
+    assert on.scheduler.num_shared_tokens == 3 * n and off.scheduler.num_shared_tokens == 0
+    assert on.scheduler.block_manager.num_used_blocks == 0  # every reference dropped

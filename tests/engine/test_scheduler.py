@@ -47,17 +47,30 @@ class FakeModel:
         blocks = self.sched.block_manager.blocks
         for item in out.scheduled:
             seq = item.seq
+            # a fork of this step holds the blocks its leader's prompt is written into now
+            forked = [f.seq for f in out.forks if f.leader is seq]
             assert item.start == seq.num_computed_tokens
             assert len(seq.block_table) * self.block_size >= item.start + item.num_new_tokens
             for pos in range(item.start, item.start + item.num_new_tokens):
                 slot = self.slot(seq, pos)
-                assert blocks[slot[0]].ref_count == 1, "wrote KV into a shared block"
+                holders = 1 + sum(f.block_table.count(slot[0]) for f in forked)
+                assert blocks[slot[0]].ref_count == holders, "wrote KV into a shared block"
                 self.kv[slot] = (seq.token_ids[pos], self.sched.weights_version)
             if item.samples:
                 context = [self.kv[self.slot(seq, pos)] for pos in range(seq.num_tokens)]
                 assert [token for token, _ in context] == seq.token_ids
                 assert min(version for _, version in context) == seq.min_kv_version
                 sampled[seq.seq_id] = next_token(seq.token_ids)
+        for fork in out.forks:  # as the engine: copy the partial block, sample the leader's
+            assert fork.leader.seq_id in sampled and fork.seq.token_ids == fork.leader.token_ids
+            if fork.copy is not None:
+                for offset in range(self.block_size):
+                    if (fork.copy[0], offset) in self.kv:
+                        self.kv[(fork.copy[1], offset)] = self.kv[(fork.copy[0], offset)]
+            seq = fork.seq
+            context = [self.kv[self.slot(seq, pos)] for pos in range(seq.num_tokens)]
+            assert [token for token, _ in context] == seq.token_ids
+            sampled[seq.seq_id] = next_token(seq.token_ids)
         return sampled
 
 
@@ -93,7 +106,14 @@ def run(sched: Scheduler, model: FakeModel, steps: int | None = None) -> list[Sc
 
 
 def make(*seqs: Sequence, **overrides: int | bool) -> tuple[Scheduler, FakeModel]:
-    args: dict = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=64)
+    # group sharing off unless asked: many tests here give sequences equal prompts
+    args: dict = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_blocks=64,
+        enable_group_sharing=False,
+    )
     sched = Scheduler(SchedulerConfig(**(args | overrides)))
     for s in seqs:
         sched.add(s)
@@ -107,6 +127,64 @@ def seq(seq_id: str, prompt: list[int] | int, max_tokens: int | None = 5) -> Seq
 
 def trace(outputs: list[SchedulerOutput]) -> list[list[tuple[str, int, int]]]:
     return [[(i.seq.seq_id, i.start, i.num_new_tokens) for i in out.scheduled] for out in outputs]
+
+
+def forks(outputs: list[SchedulerOutput]) -> list[list[tuple[str, str, bool]]]:
+    return [[(f.leader.seq_id, f.seq.seq_id, f.copy is not None) for f in o.forks] for o in outputs]
+
+
+def test_identical_prompts_fork_the_first_ones_prefill() -> None:
+    a, b, c, other = seq("a", 10), seq("b", 10), seq("c", 10), seq("o", [9, 9, 9])
+    sched, model = make(
+        a, b, c, other, max_num_batched_tokens=4, enable_group_sharing=True
+    )  # a prefills in 3 chunks
+    outputs = run(sched, model)
+    # b and c wait while a prefills (o overtakes them), then start from a's KV
+    assert trace(outputs[:3]) == [[("a", 0, 4)], [("a", 4, 4)], [("a", 8, 2), ("o", 0, 2)]]
+    assert forks(outputs) == [[], [], [("a", "b", True), ("a", "c", True)]] + [[]] * (
+        len(outputs) - 3
+    )
+    expected = expected_tokens(list(range(1, 11)), 5)
+    assert a.token_ids == b.token_ids == c.token_ids == expected
+    assert sched.num_shared_tokens == 20 and sched.block_manager.num_used_blocks == 0
+
+
+def test_a_block_aligned_prompt_forks_without_a_copy_and_grows_its_own_block() -> None:
+    a, b = seq("a", 8), seq("b", 8)
+    sched, model = make(a, b, enable_group_sharing=True)
+    outputs = run(sched, model)
+    assert forks(outputs)[0] == [("a", "b", False)]
+    assert a.token_ids == b.token_ids == expected_tokens(list(range(1, 9)), 5)
+
+
+def test_no_fork_when_sharing_is_off_after_the_prefill_or_after_the_leader_left() -> None:
+    a, b = seq("a", 10), seq("b", 10)
+    sched, model = make(a, b, max_num_batched_tokens=4, enable_group_sharing=False)
+    assert not any(forks(run(sched, model))) and sched.num_shared_tokens == 0
+    # a twin that arrives after the prefill ended uses the prefix cache instead
+    a, late = seq("a", 10), seq("late", 10)
+    sched, model = make(a, enable_group_sharing=True)
+    run(sched, model, steps=2)
+    sched.add(late)
+    outputs = run(sched, model)
+    assert not any(forks(outputs)) and outputs[0].scheduled[-1].start == 8
+    # the leader is aborted mid-prefill: its twin is prefilled on its own
+    a, b = seq("a", 10), seq("b", 10)
+    sched, model = make(a, b, max_num_batched_tokens=4, enable_group_sharing=True)
+    run(sched, model, steps=1)
+    sched.abort("a")
+    outputs = run(sched, model)
+    assert not any(forks(outputs)) and b.token_ids == expected_tokens(list(range(1, 11)), 5)
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_a_fork_of_this_step_is_never_preempted_for_a_later_prefill() -> None:
+    a, b, c = seq("a", 6, max_tokens=8), seq("b", 6, max_tokens=8), seq("c", 12)
+    sched, model = make(a, b, c, num_blocks=6, enable_group_sharing=True)
+    outputs = run(sched, model)
+    assert a.token_ids == b.token_ids == expected_tokens(list(range(1, 7)), 8)
+    assert c.token_ids == expected_tokens(list(range(1, 13)), 5)
+    assert any(o.forks for o in outputs) and sched.num_preemptions > 0
 
 
 def test_config_errors_say_what_to_change() -> None:
@@ -398,6 +476,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_blocks=st.integers(2, 12),
             enable_chunked_prefill=st.booleans(),
             enable_prefix_caching=st.booleans(),
+            enable_group_sharing=st.booleans(),
         )
     )
     def configure(self, config: SchedulerConfig) -> None:

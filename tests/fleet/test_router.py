@@ -243,3 +243,34 @@ def test_pick_never_returns_an_ineligible_replica(
     if got != best.name:  # only affinity may override least-loaded, and only within slack
         assert router._last.get(episode) == got
         assert slot.load <= best.load + slack
+
+
+def test_a_groups_episodes_start_on_one_replica_within_the_group_slack() -> None:
+    r = Router(group_slack=3)
+    r.add("a", 0)
+    r.add("b", 0)
+    first = r.pick("e0", group_id="g")
+    assert first == "a"
+    r.started("e0", first, group_id="g")
+    for i in range(1, 4):  # the group's samples follow, though b is idle
+        name = r.pick(f"e{i}", group_id="g")
+        assert name == "a"
+        r.started(f"e{i}", name, group_id="g")
+    assert r.pick("e4", group_id="g") == "b"  # a is 4 above b: the slack is spent
+    assert r.pick("x", group_id="other") == "b"  # another group goes to the least loaded
+    r.set_status("a", "draining")
+    assert r.pick("e5", group_id="g") == "b"  # only active replicas take calls
+
+
+def test_group_memory_is_bounded() -> None:
+    from agentroll.fleet.router import MAX_GROUPS
+
+    r = Router()
+    r.add("a", 0)
+    for i in range(MAX_GROUPS + 10):
+        r.started(f"e{i}", "a", group_id=f"g{i}")
+        r.forget(f"e{i}")
+        r.finished("a")
+    assert len(r._groups) == MAX_GROUPS and "g0" not in r._groups
+    r.remove("a")
+    assert not r._groups

@@ -332,3 +332,13 @@ def test_the_tool_cache_check_fails_an_impure_tool_and_a_run_with_nothing_cached
     assert (v.risk, v.verdict) == ("distribution", verdict), v.figure
     assert shows in v.figure
     assert seen == [{"tool_cache": True}, {"tool_cache": False}]
+
+
+def test_group_prefill_sharing_keeps_every_token_and_shares_the_prompts(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    recipe, model = recipe_and_model
+    (v,) = validate_recipe(recipe, model, episodes=16, only="group_prefill_sharing")  # type: ignore[arg-type]
+    assert (v.risk, v.verdict) == ("token_parity", "pass"), v.figure
+    shared, prompts = map(int, v.figure.split()[0].removeprefix("shared_tokens=").split("/"))
+    assert 0 < shared < prompts
