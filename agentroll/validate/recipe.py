@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+import numpy as np
 
 from agentroll.errors import ConfigError, require
 from agentroll.run.recipe import Recipe
@@ -37,6 +38,8 @@ VerdictName = Literal["pass", "fail", "unchecked"]
 #: episodes a side the same distribution gives gaps of 0.2 one time in ten)
 KS_TOLERANCE = 0.2
 ALPHA = 0.01
+#: kept-KV tokens whose importance ratio leaves the trainer's clip band: at most this share
+MAX_CLIPPED = 0.2
 #: distribution tests need at least this many episodes per side to mean anything
 MIN_EPISODES = 16
 #: runs of a check whose update must land mid-generation, before it gives up
@@ -154,6 +157,7 @@ async def synced_episodes(
     after_tokens: int = 2,
     start: WeightUpdate | None = None,
     update: WeightUpdate | None = None,
+    ratios: list[float] | None = None,
 ) -> tuple[list[Trajectory], int]:
     """As ``recipe_episodes`` (on a fleet of ``replicas`` engines when more than one, on
     the model's weights or ``start`` applied to them), with one weight update (``update``,
@@ -161,7 +165,9 @@ async def synced_episodes(
     step's) synced in with ``policy`` and ``strategy`` once generations are under way
     (``after_tokens`` sampled by several of them), or the first episode ended; returns
     the episodes and how many sampled tokens attended to KV of the old weights
-    (``kv_version < policy_version``)."""
+    (``kv_version < policy_version``).  ``ratios`` (one engine only): filled with the log
+    importance ratio of each such token, its logprob under the new weights rescored from a
+    fresh prefill minus the logprob it was sampled with."""
     from agentroll.fleet.backend import FleetBackend
     from agentroll.fleet.replica import LocalReplica
     from agentroll.rollout.engine import RolloutEngine
@@ -207,10 +213,40 @@ async def synced_episodes(
         if not running.done():
             await engine.sync(update, policy=policy, strategy=strategy)  # type: ignore[arg-type]
         out = await running
+        if ratios is not None and replicas == 1:
+            ratios.extend(await _lagged_log_ratios(engines[0], out))
     lagged = sum(
         int(((t.kv_version < t.policy_version) & t.loss_mask.astype(bool)).sum()) for t in out
     )
     return _ordered(out), lagged
+
+
+async def _lagged_log_ratios(backend: Any, trajectories: list[Trajectory]) -> list[float]:
+    """``log pi_new(token) - logprob sampled`` of every sampled token that attended to KV
+    of older weights, ``pi_new`` from the backend's current weights (a fresh prefill)."""
+    out: list[float] = []
+    for t in trajectories:
+        lagged = (t.kv_version < t.policy_version) & t.loss_mask.astype(bool)
+        if not lagged.any():
+            continue
+        fresh = await backend.score(t.token_ids.tolist())  # logprobs of tokens[1:]
+        for pos in np.flatnonzero(lagged):
+            out.append(float(fresh[pos - 1]) - float(t.logprobs[pos]))
+    return out
+
+
+def ratio_figure(log_ratios: list[float], clip_eps: float) -> tuple[bool, str]:
+    """The kept-KV tokens' importance ratios: median, 5th and 95th percentiles, and the
+    share outside the trainer's clip band ``[1 - clip_eps, 1 + clip_eps]`` (a token out
+    there gives PPO no gradient: keep-KV wasted it); more than ``MAX_CLIPPED`` fails."""
+    r = np.exp(np.asarray(log_ratios, dtype=np.float64))
+    clipped = float(np.mean((r < 1 - clip_eps) | (r > 1 + clip_eps))) if len(r) else 0.0
+    q05, q50, q95 = (float(np.quantile(r, q)) for q in (0.05, 0.5, 0.95)) if len(r) else (1.0,) * 3
+    figure = (
+        f"kv_ratio_median={q50:.4f} kv_ratio_p05={q05:.4f} kv_ratio_p95={q95:.4f} "
+        f"kv_ratio_clipped={clipped:.3f} clip_eps={clip_eps} max_clipped={MAX_CLIPPED}"
+    )
+    return clipped <= MAX_CLIPPED, figure
 
 
 def _sampled(t: Trajectory) -> tuple[list[int], list[float]]:
@@ -360,8 +396,11 @@ def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     mid-generation: the distributions of what they sample must agree."""
     _enough(episodes, recipe)
 
+    ratios: list[float] = []
+
     async def both() -> tuple[tuple[list[Trajectory], int], tuple[list[Trajectory], int]]:
-        keep = await synced_episodes(recipe, model, episodes, "keep")
+        ratios.clear()
+        keep = await synced_episodes(recipe, model, episodes, "keep", ratios=ratios)
         recompute = await synced_episodes(recipe, model, episodes, "recompute")
         return keep, recompute
 
@@ -375,7 +414,15 @@ def _resume_policy(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
             "kv_lagged_tokens=0: the update landed between generations; use more --episodes",
         )
     ok, figure = ks_compare(keep, recompute)
-    return ok, f"kv_lagged_tokens={lagged} {figure}", histograms(keep, recompute)
+    evidence = histograms(keep, recompute)
+    if recipe.sampling.temperature == 1.0:  # rescoring gives plain-softmax logprobs
+        ratio_ok, ratio = ratio_figure(ratios, recipe.trainer.clip_eps)
+        ok = ok and ratio_ok
+        figure = f"{ratio} {figure}"
+        evidence.append(
+            Evidence(kind="hist", name="kv_log_ratio", with_=ratios, without=[0.0] * len(ratios))
+        )
+    return ok, f"kv_lagged_tokens={lagged} {figure}", evidence
 
 
 def staleness_lag(recipe: Recipe) -> int:

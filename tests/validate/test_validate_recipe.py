@@ -222,6 +222,38 @@ def test_keep_kv_under_new_weights_is_compared_with_recompute_across_a_real_sync
     lagged = int(v.figure.split("kv_lagged_tokens=")[1].split()[0])
     assert lagged > 0  # the update landed mid-generation: keep really attended to old KV
     assert "logprob_ks=" in v.figure and "length_ks=" in v.figure
+    assert "kv_ratio_median=" in v.figure and "kv_ratio_clipped=" in v.figure
+    ratio = next(e for e in v.evidence if e.name == "kv_log_ratio")
+    assert len(ratio.with_) == lagged  # one log ratio per kv-lagged sampled token
+
+
+def test_the_log_ratio_of_a_token_is_zero_when_the_weights_did_not_change(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    """Rescoring lines up with the sampled positions: marked kv-lagged, tokens sampled by
+    the very weights that rescore them have log ratio 0 (batch-invariant fp32)."""
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import rollout_config
+    from agentroll.validate.recipe import _engine, _lagged_log_ratios, _tasks, ratio_figure
+
+    recipe, model = recipe_and_model
+
+    async def run() -> list[float]:
+        env, tasks = _tasks(recipe, 4)  # type: ignore[arg-type]
+        async with (
+            _engine(recipe, model) as backend,  # type: ignore[arg-type]
+            RolloutEngine(backend, env, rollout_config(recipe)) as engine,  # type: ignore[arg-type]
+        ):
+            trajs = [t async for t in engine.run(tasks)]
+            for t in trajs:
+                t.kv_version = t.policy_version - 1  # as if every token attended to old KV
+            return await _lagged_log_ratios(backend, trajs)
+
+    ratios = asyncio.run(run())
+    assert ratios and max(abs(r) for r in ratios) < 1e-4
+    assert ratio_figure(ratios, 0.2)[0]
+    ok, figure = ratio_figure([0.0, 0.5, -0.5, 0.0], 0.2)  # half of them beyond the band
+    assert not ok and "kv_ratio_clipped=0.500" in figure
 
 
 def test_rolling_updates_are_compared_with_an_update_at_once(tmp_path: Path) -> None:
