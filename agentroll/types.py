@@ -18,7 +18,8 @@ import msgspec
 import numpy as np
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
-Status = Literal["ok", "truncated", "failed", "abandoned"]
+# cut: a straggler of a group whose reward was decided before it finished (group_cutoff)
+Status = Literal["ok", "truncated", "failed", "abandoned", "cut"]
 #: what happens to a generation in flight when the weights change under it
 ResumePolicy = Literal["keep", "recompute", "restart"]
 #: how a fleet moves its replicas to new weights

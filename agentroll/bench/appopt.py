@@ -22,6 +22,7 @@ import random
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,23 @@ from agentroll.bench.pairs import DEFAULT_PAIRS, alternate_async, check_pairs, p
 from agentroll.errors import ConfigError
 
 #: optimisations this benchmark measures, and those it cannot measure yet (not built)
-BUILT = ("tool_cache", "group_prefix_sharing")
-NOT_BUILT = ("sandbox_prewarm", "early_group_cutoff")
+BUILT = ("tool_cache", "group_prefix_sharing", "early_group_cutoff")
+NOT_BUILT = ("sandbox_prewarm",)
 ENVS = ("code_fix",)
 #: the chance the scripted agent's candidate is the correct fix (else it retries the bug)
 P_FIXED = 0.7
+#: early_group_cutoff's workload: the chance each task's candidate is the fix (some tasks
+#: always solved or never, as a policy's easy and hard tasks), the share of episodes that
+#: straggle, and the extra run_tests turns a straggler takes
+DIFFICULTY = {
+    "code_fix-mean": 1.0,
+    "code_fix-factorial": 1.0,
+    "code_fix-is_palindrome": 0.0,
+    "code_fix-fizzbuzz": 0.7,
+    "code_fix-last_word": 0.5,
+}
+P_STRAGGLE, STRAGGLE_TURNS = 0.25, 3
+CUTOFF = 0.75
 
 
 def _hermes(name: str, **arguments: Any) -> str:
@@ -42,18 +55,22 @@ def _hermes(name: str, **arguments: Any) -> str:
     return f"<tool_call>\n{payload}\n</tool_call>"
 
 
-def code_fix_agent(tok: Any, tasks: list[Any], seed: int) -> Callable[[Any], str]:
+def code_fix_agent(
+    tok: Any, tasks: list[Any], seed: int, *, long_tail: bool = False
+) -> Callable[[Any], str]:
     """The scripted policy: ``run_tests`` on the task's code, ``run_tests`` on its candidate
     (the fix with chance ``P_FIXED``, else the original code; drawn from the episode's seed,
     so a (task, sample) picks the same in every run), then the candidate as its answer.  The
-    task is read once per episode from the decoded prompt."""
+    task is read once per episode from the decoded prompt.  ``long_tail``: the fix's chance
+    is the task's ``DIFFICULTY``, and a ``P_STRAGGLE`` share of episodes runs the tests
+    ``STRAGGLE_TURNS`` more times before answering."""
     buggy: dict[str, str] = {}
     for t in tasks:
         found = re.search(r"```python\n(.*)```", t.data["prompt"], re.DOTALL)
         if found is None:
             raise ConfigError(f"task {t.id} has no ```python block: not a code_fix task")
         buggy[t.id] = found[1]
-    of_episode: dict[str, tuple[Any, str]] = {}
+    of_episode: dict[str, tuple[Any, str, int]] = {}
 
     def respond(request: Any) -> str:
         if request.episode_id not in of_episode:
@@ -61,12 +78,14 @@ def code_fix_agent(tok: Any, tasks: list[Any], seed: int) -> Callable[[Any], str
             task = next(t for t in tasks if buggy[t.id] in text)
             # turn 0's sampling seed is the episode's own (episode_seed of task and sample)
             rng = random.Random(f"{seed}:{request.sampling.seed}")
-            pick = task.answer if rng.random() < P_FIXED else buggy[task.id]
-            of_episode[request.episode_id] = (task, pick)
-        task, candidate = of_episode[request.episode_id]
+            p_fixed = DIFFICULTY.get(task.id, P_FIXED) if long_tail else P_FIXED
+            pick = task.answer if rng.random() < p_fixed else buggy[task.id]
+            extra = STRAGGLE_TURNS if long_tail and rng.random() < P_STRAGGLE else 0
+            of_episode[request.episode_id] = (task, pick, extra)
+        task, candidate, extra = of_episode[request.episode_id]
         if request.turn_index == 0:
             return _hermes("run_tests", code=buggy[task.id])
-        if request.turn_index == 1:
+        if request.turn_index <= 1 + extra:
             return _hermes("run_tests", code=candidate)
         of_episode.pop(request.episode_id)
         return f"The fix:\n```python\n{candidate}```"
@@ -114,6 +133,8 @@ class Side:
     shared_tokens: int = 0
     prompt_tokens: int = 0
     prompt_computed: int = 0
+    cut: int = 0
+    generated: int = 0
 
 
 async def run_side(
@@ -136,6 +157,7 @@ async def run_side(
     groups = max(1, config.episodes // config.samples)
     chosen = [tasks[i % len(tasks)] for i in range(groups)]
     on_model = opt == "group_prefix_sharing"
+    long_tail = opt == "early_group_cutoff"
     backend: Any = (
         TorchBackend(
             str(ensure_tiny_model()),
@@ -145,7 +167,9 @@ async def run_side(
             share_group_prefill=on,
         )
         if on_model
-        else MockBackend(code_fix_agent(tok, tasks, config.seed), tokenizer=tok)
+        else MockBackend(
+            code_fix_agent(tok, tasks, config.seed, long_tail=long_tail), tokenizer=tok
+        )
     )
     cfg = RolloutConfig(
         concurrency=config.concurrency,
@@ -153,7 +177,8 @@ async def run_side(
         # the tiny model's turns: short, so the prompts' prefill is a visible share
         sampling=SamplingParams(max_tokens=16 if on_model else 1024),
         seed=config.seed,
-        tool_cache=tool_cache and not on_model,
+        tool_cache=tool_cache and opt == "tool_cache",
+        group_cutoff=CUTOFF if long_tail and on else 0.0,
         keep_messages=False,
         progress="off",
     )
@@ -193,14 +218,34 @@ async def run_side(
         shared_tokens=shared,
         prompt_tokens=prompts[0],
         prompt_computed=prompts[1],
+        cut=sum(t.status == "cut" for t in out),
+        generated=sum(int(t.num_generated) for t in out),
     )
 
 
-def verdict(with_: Side, without: Side) -> tuple[bool, str]:
-    """The validate verdict on the bench's episodes: the same tool results and rewards
-    per (task, sample), the distribution tests passing, no impure tool."""
-    from agentroll.validate.recipe import ks_compare
+def verdict(with_: Side, without: Side, opt: str = "tool_cache") -> tuple[bool, str]:
+    """The validate verdict on the bench's episodes.  ``early_group_cutoff``: GRPO
+    advantages and rewards keep their distribution (the validate check's tests), and the
+    episodes not cut are the same on both sides.  Otherwise: the same tool results, rewards
+    (and tokens) per (task, sample), the distribution tests passing, no impure tool."""
+    from agentroll.trainer.algorithm import grpo_advantages
+    from agentroll.validate.recipe import ks_compare, ks_series
 
+    if opt == "early_group_cutoff":
+        # a (task, sample) recurs across groups of one task: compare as multisets, where
+        # each cut episode accounts for one entry of the side without
+        missing = Counter(with_.seen) - Counter(without.seen)
+        differ = max(0, sum(missing.values()) - with_.cut)
+
+        def series(s: Side) -> dict[str, list[float]]:
+            ts = s.trajectories
+            return {
+                "advantage": [float(a) for a in grpo_advantages(ts)],
+                "reward": [float(t.reward) for t in ts],
+            }
+
+        ks_ok, _ = ks_series(series(with_), series(without))
+        return differ == 0 and ks_ok, f"differ={differ} cut={with_.cut}"
     differ = sum(a != b for a, b in zip(with_.seen, without.seen, strict=True))
     ks_ok, _ = ks_compare(with_.trajectories, without.trajectories)
     ok = differ == 0 and ks_ok and not with_.impure
@@ -223,7 +268,7 @@ async def measure(config: AppOptBenchConfig, opt: str, say: Callable[[str], None
 
     sides = await alternate_async(lambda i: side(i, True), lambda i: side(i, False), config.pairs)
     ratio = paired_ratio([(a.episodes_per_s, b.episodes_per_s) for a, b in sides])
-    ok, why = verdict(*sides[-1])
+    ok, why = verdict(*sides[-1], opt=opt)
     mid = len(sides) // 2
     saved = ""
     if opt == "group_prefix_sharing":
@@ -240,6 +285,8 @@ async def measure(config: AppOptBenchConfig, opt: str, say: Callable[[str], None
         )
     hits = sorted(a.hits for a, _ in sides)[mid]
     tokens_saved = sorted(a.shared_tokens for a, _ in sides)[mid]
+    if opt == "early_group_cutoff":  # tokens the cut stragglers did not generate
+        tokens_saved = sorted(b.generated - a.generated for a, b in sides)[mid]
     eps_with = sorted(a.episodes_per_s for a, _ in sides)[mid]
     eps_without = sorted(b.episodes_per_s for _, b in sides)[mid]
     last = sides[-1][1]

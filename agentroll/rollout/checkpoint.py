@@ -8,6 +8,7 @@ finishes with the same trajectory an uninterrupted one would (seeded, weights un
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import time
 from array import array
@@ -122,6 +123,7 @@ class EpisodeRun:
 
     __slots__ = (
         "builder",
+        "cut_timer",
         "earlier",
         "env",
         "forks",
@@ -163,6 +165,9 @@ class EpisodeRun:
         self.gen_start = 0
         self.sampling: SamplingParams | None = None
         self.pending: Any = None  # a RequestSnapshot to continue from (restored episodes)
+        # expires to stop the episode as a straggler of a decided group (not paused: a
+        # pause freezes the episode's own timeout, never this one)
+        self.cut_timer: asyncio.Timeout | None = None
         self.restarted_turns = 0  # generations regenerated because no snapshot was usable
         # samples before the current one (a template rewrote history: the episode forked)
         self.earlier: list[Trajectory] = []

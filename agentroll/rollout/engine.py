@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -73,6 +74,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     # this chance (its first two per tool always) and a differing result turns it off
     tool_cache: bool = False
     tool_cache_verify: float = 0.05
+    # early group cut-off: once this share of a group's samples finished with one reward
+    # (and none failed), the rest stop and take that reward (status "cut", nothing of them
+    # trained on); 0 turns it off.  Changes the data: `agentroll validate` checks it.
+    group_cutoff: float = 0.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -81,6 +86,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ConfigError("samples_per_task must be >= 1")
         if self.tool_threads < 1:
             raise ConfigError("tool_threads must be >= 1")
+        if not 0.0 <= self.group_cutoff < 1.0:
+            raise ConfigError(
+                f"group_cutoff={self.group_cutoff}: use 0 (off) or a share in (0, 1), e.g. 0.75"
+            )
         if not 0.0 <= self.tool_cache_verify <= 1.0:
             raise ConfigError(f"tool_cache_verify={self.tool_cache_verify}: use a value in [0, 1]")
         for name in ("generation_timeout", "tool_timeout", "episode_timeout"):
@@ -159,7 +168,14 @@ class RolloutEngine(EpisodeLoop):
         self._ramp = asyncio.Event()
         self._ramp.set()
         self.pauses = PauseController(backend, self._views)
-        self.stats = {"episodes": 0, "failed": 0, "turns": 0, "restarted_turns": 0, "forks": 0}
+        self.stats = {
+            "episodes": 0,
+            "failed": 0,
+            "turns": 0,
+            "restarted_turns": 0,
+            "forks": 0,
+            "groups_cut": 0,
+        }
 
     async def __aenter__(self) -> RolloutEngine:
         self._executor = ThreadPoolExecutor(
@@ -534,11 +550,13 @@ class RolloutEngine(EpisodeLoop):
                         group_id=group,
                         checkpoint=origin if isinstance(origin, EpisodeCheckpoint) else None,
                         restart_of=origin.episode_id if isinstance(origin, EpisodeJob) else "",
+                        cut=group in decided,
                     )
                     traj = outcome.trajectory
                     for t in outcome.all:
                         undelivered[t.id] = t
                     owed.pop((traj.group_id, traj.sample_index), None)
+                    cutoff(traj)  # before this worker takes its next job: no lag to decide
                     await results.put(outcome)
             except asyncio.CancelledError:
                 raise  # the consumer is gone or leaving: nobody waits for a sentinel
@@ -546,6 +564,36 @@ class RolloutEngine(EpisodeLoop):
                 await results.put(exc)
                 return
             await results.put(None)
+
+        # early group cut-off: the decided reward of each group cut, and what each group's
+        # finished samples scored (kept until the group is complete)
+        decided: dict[str, float] = {}
+        scores: dict[str, list[tuple[str, float]]] = {}
+
+        def cutoff(traj: Trajectory) -> None:
+            """Record a finished sample; cut its group's stragglers once it is decided, and
+            give a cut straggler the decided reward."""
+            if not self.config.group_cutoff or self._has_group_reward:
+                return
+            group = traj.group_id
+            if traj.status == "cut" and group in decided:
+                traj.reward, traj.rewards = decided[group], {"group_cutoff": decided[group]}
+            seen = scores.setdefault(group, [])
+            seen.append((traj.status, traj.reward))
+            if len(seen) >= n:
+                scores.pop(group, None)
+                decided.pop(group, None)
+                return
+            if group in decided or len(seen) < math.ceil(self.config.group_cutoff * n):
+                return
+            if all(st in ("ok", "truncated") for st, _ in seen) and len({r for _, r in seen}) == 1:
+                decided[group] = seen[0][1]
+                self.stats["groups_cut"] += 1
+                now_ = asyncio.get_running_loop().time()
+                for run in self._live.values():
+                    # one in its close ("done") has left its timers: it finished by itself
+                    if run.group_id == group and run.cut_timer is not None and run.phase != "done":
+                        run.cut_timer.reschedule(now_)
 
         spawn()
         pending: dict[str, list[_Outcome]] = {}

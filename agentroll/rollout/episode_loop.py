@@ -121,10 +121,12 @@ class EpisodeLoop:
         group_id: str | None = None,
         checkpoint: EpisodeCheckpoint | None = None,
         restart_of: str = "",
+        cut: bool = False,
     ) -> _Outcome:
         """Run one episode to completion (or continue ``checkpoint``).  ``restart_of``: the
         id of an episode whose checkpoint was refused; this run restarts it from its task
-        under that id and counts the restart in ``restarted_turns``.  Never raises for
+        under that id and counts the restart in ``restarted_turns``.  ``cut``: its group
+        was decided before it started (it ends at once, status ``cut``).  Never raises for
         episode failures (they are on the trajectory); raises only ``CancelledError``."""
         cfg = self.config
         env = self.env.spawn()
@@ -149,9 +151,12 @@ class EpisodeLoop:
         earlier: list[Trajectory] = []
         error: str | None = None
         timer = asyncio.timeout(cfg.episode_timeout)
+        run.cut_timer = cut_timer = asyncio.timeout(None)
         try:
-            async with timer:
+            async with timer, cut_timer:
                 self.pauses.track(timer)
+                if cut:  # decided before it started: it does nothing
+                    raise TimeoutError("its group was decided")
                 if env.sandbox_config is not None:
                     run.sandbox = open_sandbox(env.sandbox_config, episode_id=state.episode_id)
                     await run.sandbox.start()
@@ -178,11 +183,19 @@ class EpisodeLoop:
                     for t in run.earlier:  # one episode, one reward: every sample has it
                         t.reward, t.rewards = traj.reward, dict(traj.rewards)
         except TimeoutError as exc:
-            run.stop_reason = "timeout"
+            was_cut = cut or cut_timer.expired()
+            if was_cut:  # a straggler of a decided group: data, not a failure
+                run.status, run.stop_reason = "cut", "group_cutoff"
+            else:
+                run.stop_reason = "timeout"
             error = (
-                f"EpisodeTimeout: episode exceeded {cfg.episode_timeout}s"
-                if timer.expired()
-                else f"{type(exc).__name__}: {exc}"
+                None
+                if was_cut
+                else (
+                    f"EpisodeTimeout: episode exceeded {cfg.episode_timeout}s"
+                    if timer.expired()
+                    else f"{type(exc).__name__}: {exc}"
+                )
             )
         except asyncio.CancelledError:
             raise
@@ -203,6 +216,9 @@ class EpisodeLoop:
                 self._live.pop(state.episode_id, None)
         if traj is None:
             traj = self._build(run)
+        if run.status == "cut":
+            traj.status = "cut"
+            traj.loss_mask[:] = 0  # its reward is the group's decided one: never trained on
         if not earlier:
             earlier = run.earlier
         if error is not None:  # an exception's text may quote a file name with lone surrogates

@@ -163,6 +163,7 @@ def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
         tool_parser=r.tool_parser,
         tool_cache=r.tool_cache,
         tool_cache_verify=r.tool_cache_verify,
+        group_cutoff=r.group_cutoff,
         progress="off",
     )
 

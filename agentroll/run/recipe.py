@@ -207,6 +207,7 @@ class RolloutSection(_Section, frozen=True):
         "tool_timeout": SECONDS,
         "episode_timeout": Bound(0.001, 604_800.0, "seconds"),  # up to a week
         "tool_cache_verify": Bound(0.0, 1.0, "(a probability)"),
+        "group_cutoff": Bound(0.0, 1.0, "(a share; 0: off)", high_open=True),
     }
 
     concurrency: int = 32
@@ -220,6 +221,9 @@ class RolloutSection(_Section, frozen=True):
     # chance tool_cache_verify, and a tool whose result differs is no longer cached
     tool_cache: bool = False
     tool_cache_verify: float = 0.05
+    # early group cut-off: once this share of a group finished with one reward (none
+    # failed), its stragglers stop and take that reward, untrained (0: off)
+    group_cutoff: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()

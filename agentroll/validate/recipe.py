@@ -299,8 +299,12 @@ def ks_compare(with_: list[Trajectory], without: list[Trajectory]) -> tuple[bool
     """Two-sample KS on sampled-token logprobs, response lengths, rewards and tool calls
     per episode: a statistic beyond ``KS_TOLERANCE`` with a p-value below ``ALPHA`` fails;
     the figure gives the statistic, p-value and effect size (Cohen's d) of each."""
+    return ks_series(_series(with_), _series(without))
+
+
+def ks_series(sa: dict[str, list[float]], sb: dict[str, list[float]]) -> tuple[bool, str]:
+    """``ks_compare`` on named samples: ``sa[k]`` against ``sb[k]`` for each key."""
     ks_2samp = require("scipy.stats", "validate").ks_2samp
-    sa, sb = _series(with_), _series(without)
     ok = True
     parts = []
     for key in sa:
@@ -716,6 +720,40 @@ def _tool_cache(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     return ok, f"{counts} {figure}", histograms(with_, without)
 
 
+def _group_cutoff(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """The recipe's groups with early cut-off against without: the trainer's advantages
+    (GRPO, per group) and the rewards must keep their distribution (cutting a group whose
+    stragglers would have scored otherwise turns its advantages to zero)."""
+    from agentroll.trainer.algorithm import grpo_advantages
+
+    _enough(episodes)
+    if recipe.rollout.samples_per_task < 2:
+        raise ConfigError("early group cut-off needs rollout.samples_per_task >= 2")
+
+    async def both() -> tuple[list[Trajectory], list[Trajectory]]:
+        a = await recipe_episodes(recipe, model, episodes)
+        b = await recipe_episodes(recipe, model, episodes, rollout={"group_cutoff": 0.0})
+        return a, b
+
+    with_, without = asyncio.run(both())
+    cut = sum(t.status == "cut" for t in with_)
+
+    def series(ts: list[Trajectory]) -> dict[str, list[float]]:
+        return {
+            "advantage": [float(a) for a in grpo_advantages(ts)],
+            "reward": [float(t.reward) for t in ts],
+        }
+
+    sa, sb = series(with_), series(without)
+    ok, figure = ks_series(sa, sb)
+    evidence = [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
+    return (
+        ok,
+        f"group_cutoff={recipe.rollout.group_cutoff} cut={cut}/{len(with_)} {figure}",
+        evidence,
+    )
+
+
 def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
     """As ``reward_curve``, but each step's batch starts on the previous step's weights and
     the trainer's current weights are synced in mid-generation under the ``keep`` policy,
@@ -825,6 +863,7 @@ def _checks() -> dict[str, Check]:
         "distribution:staleness": _staleness,
         "distribution:admission": _admission,
         "distribution:tool_cache": _tool_cache,
+        "distribution:group_cutoff": _group_cutoff,
         "end_to_end:kv_lag": _kv_lag,
         "end_to_end:async_off_policy": _async_off_policy,
         "end_to_end:importance_cap": _importance_cap,

@@ -171,6 +171,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "a pure tool's call with the same arguments and files returns the cached result",
     ),
     Optimisation(
+        "early_group_cutoff",
+        "distribution",
+        ("rollout.group_cutoff",),
+        lambda r: r.rollout.group_cutoff > 0,
+        "distribution:group_cutoff",
+        "a group's stragglers stop once its reward is decided, and take that reward",
+    ),
+    Optimisation(
         "partial_rollouts",
         "distribution",
         ("placement.partial_rollouts",),

@@ -59,3 +59,14 @@ def test_bad_options_say_what_to_do(bad: dict[str, object], says: str) -> None:
     kwargs = {("opts" if k == "opt" else k): v for k, v in bad.items()}
     with pytest.raises(ConfigError, match=says):
         AppOptBenchConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_early_cutoff_cuts_stragglers_of_decided_groups_and_keeps_the_rest() -> None:
+    config = AppOptBenchConfig(episodes=32, samples=8, concurrency=8, pairs=5)
+    with_ = asyncio.run(run_side(config, opt="early_group_cutoff", on=True))
+    without = asyncio.run(run_side(config, opt="early_group_cutoff", on=False))
+    ok, why = verdict(with_, without, opt="early_group_cutoff")
+    assert ok and why == f"differ=0 cut={with_.cut}", why
+    assert with_.cut > 0 and without.cut == 0
+    assert with_.generated < without.generated  # the stragglers stopped generating
+    assert len(with_.trajectories) == len(without.trajectories) == 32  # groups stay whole

@@ -374,3 +374,23 @@ def test_group_prefill_sharing_keeps_every_token_and_shares_the_prompts(
     assert (v.risk, v.verdict) == ("token_parity", "pass"), v.figure
     shared, prompts = map(int, v.figure.split()[0].removeprefix("shared_tokens=").split("/"))
     assert 0 < shared < prompts
+
+
+def test_early_group_cutoff_compares_the_advantages_with_and_without(
+    recipe_and_model: tuple[object, Path],
+) -> None:
+    import msgspec
+
+    recipe, model = recipe_and_model
+    rollout = msgspec.structs.replace(
+        recipe.rollout,  # type: ignore[attr-defined]
+        samples_per_task=4,
+        group_cutoff=0.5,
+        concurrency=1,  # one at a time: two finish, then the group is decided
+    )
+    on = msgspec.structs.replace(recipe, rollout=rollout)  # type: ignore[type-var]
+    (v,) = validate_recipe(on, model, episodes=16, only="early_group_cutoff")
+    assert v.risk == "distribution" and v.verdict == "pass", v.figure
+    cut, total = map(int, v.figure.split("cut=")[1].split()[0].split("/"))
+    assert total == 16 and cut == 8  # every group decided after two: two stragglers cut
+    assert "advantage_ks=" in v.figure and {e.name for e in v.evidence} == {"advantage", "reward"}
