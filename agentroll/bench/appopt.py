@@ -30,10 +30,15 @@ from typing import Any
 from agentroll.bench.pairs import DEFAULT_PAIRS, alternate_async, check_pairs, paired_ratio
 from agentroll.errors import ConfigError
 
+#: ``--record`` writes a row per optimisation ("appopt:tool_cache", ...)
+ROW_KEY = "opt"
 #: optimisations this benchmark measures, and those it cannot measure yet (not built)
 BUILT = ("tool_cache", "group_prefix_sharing", "early_group_cutoff")
 NOT_BUILT = ("sandbox_prewarm",)
 ENVS = ("code_fix",)
+#: group_prefix_sharing runs the model itself, on any of these (calculator: a prompt per
+#: group, where the prefix cache cannot stand in for the sharing)
+MODEL_ENVS = ("code_fix", "calculator")
 #: the chance the scripted agent's candidate is the correct fix (else it retries the bug)
 P_FIXED = 0.7
 #: early_group_cutoff's workload: the chance each task's candidate is the fix (some tasks
@@ -106,8 +111,14 @@ class AppOptBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.env not in ENVS:
-            raise ConfigError(f"--env {self.env!r}: the scripted agent exists for {ENVS}")
+        scripted = [o for o in self.opts if o != "group_prefix_sharing"]
+        if self.env not in (ENVS if scripted else MODEL_ENVS):
+            raise ConfigError(
+                f"--env {self.env!r}: the scripted agent of {', '.join(scripted)} exists for "
+                f"{ENVS}; --opt group_prefix_sharing alone also runs on {MODEL_ENVS}"
+                if scripted
+                else f"--env {self.env!r}: use one of {MODEL_ENVS}"
+            )
         for name in ("episodes", "samples", "concurrency"):
             if (value := getattr(self, name)) < 1:
                 raise ConfigError(f"--{name} must be >= 1 (got {value}); pass a positive count")
@@ -303,7 +314,11 @@ async def measure(config: AppOptBenchConfig, opt: str, say: Callable[[str], None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--env", default="code_fix", help=f"one of {', '.join(ENVS)}")
+    parser.add_argument(
+        "--env",
+        default="code_fix",
+        help=f"one of {', '.join(ENVS)} ({', '.join(MODEL_ENVS)} for group_prefix_sharing alone)",
+    )
     parser.add_argument("--episodes", type=int, default=256, help="episodes per side per pair")
     parser.add_argument("--samples", type=int, default=8, help="samples per task (group size)")
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")

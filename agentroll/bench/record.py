@@ -56,6 +56,18 @@ def result_line(stdout: str) -> str | None:
     return None
 
 
+def result_lines(stdout: str, key: str) -> dict[str, str]:
+    """Every ``key=value``-only line of ``stdout`` that starts with ``key=``, by its value
+    (the last line of each value wins): one row each for a benchmark that prints one
+    line per subject (``bench appopt``: one per optimisation)."""
+    out: dict[str, str] = {}
+    for line in stdout.splitlines():
+        line = line.strip()
+        if _RESULT_LINE.fullmatch(line) and line.startswith(f"{key}="):
+            out[line.split()[0].partition("=")[2]] = line
+    return out
+
+
 def _cells(line: str) -> list[str] | None:
     """The cells of a markdown table line, or None if the line is not one."""
     line = line.strip()
@@ -159,6 +171,7 @@ __all__ = [
     "describe_machine",
     "record",
     "result_line",
+    "result_lines",
     "this_machine",
     "upsert",
 ]

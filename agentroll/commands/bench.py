@@ -2,7 +2,8 @@
 
 The benchmark's module is imported only when it runs (or its ``--help`` is asked for).  With
 ``--record FILE`` the result line (the last ``key=value`` line on stdout) also becomes that
-benchmark's row in the markdown table in FILE.
+benchmark's row in the markdown table in FILE; a benchmark module with ``ROW_KEY`` gets a
+row per line, named ``bench:<its ROW_KEY value>``.
 """
 
 from __future__ import annotations
@@ -57,26 +58,40 @@ def main(args: argparse.Namespace) -> int:
     module = load(BENCHMARKS[args.bench][0])
     if args.record is None:
         return module.main(args)
-    from agentroll.bench.record import ResultRow, command_line, record, result_line, this_machine
+    from agentroll.bench.record import (
+        ResultRow,
+        command_line,
+        record,
+        result_line,
+        result_lines,
+        this_machine,
+    )
 
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
         code = module.main(args)
-    line = result_line(tee.getvalue())
-    if line is None:
+    # a benchmark with ROW_KEY prints one line per subject: each is its own row
+    key = getattr(module, "ROW_KEY", None)
+    if key is not None:
+        lines = {f"{args.bench}:{k}": v for k, v in result_lines(tee.getvalue(), key).items()}
+    else:
+        line = result_line(tee.getvalue())
+        lines = {args.bench: line} if line is not None else {}
+    if not lines:
         raise AgentrollError(
             f"bench {args.bench} printed no key=value result line; nothing was recorded in "
             f"{args.record}"
         )
     parser = argparse.ArgumentParser(add_help=False)
     module.add_arguments(parser)
-    row = ResultRow(
-        benchmark=args.bench,
-        command=command_line(f"agentroll bench {args.bench}", parser, args),
-        result=line,
-        date=datetime.datetime.now(datetime.UTC).date().isoformat(),
-        machine=this_machine(),
-    )
-    record(Path(args.record), row)
-    print(f"recorded {args.bench} in {args.record}", file=sys.stderr)
+    for name, line in lines.items():
+        row = ResultRow(
+            benchmark=name,
+            command=command_line(f"agentroll bench {args.bench}", parser, args),
+            result=line,
+            date=datetime.datetime.now(datetime.UTC).date().isoformat(),
+            machine=this_machine(),
+        )
+        record(Path(args.record), row)
+        print(f"recorded {name} in {args.record}", file=sys.stderr)
     return code

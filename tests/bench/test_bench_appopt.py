@@ -50,7 +50,8 @@ def test_the_verdict_fails_when_the_sides_saw_different_tool_results() -> None:
     [
         ({"opt": ("sandbox_prewarm",)}, "not built yet"),
         ({"opt": ("vibes",)}, "unknown optimisation"),
-        ({"env": "calculator"}, "scripted agent exists for"),
+        ({"env": "calculator"}, "scripted agent of"),
+        ({"env": "guess_number", "opt": ("group_prefix_sharing",)}, "use one of"),
         ({"pairs": 2}, "--pairs must be >= 5"),
         ({"episodes": 0}, "--episodes must be >= 1"),
     ],

@@ -131,3 +131,11 @@ def test_the_cli_records_the_result_line(
         "`agentroll bench overhead --episodes 4 --turns 1 --concurrency 2`",
         f"`{printed}`",
     ]
+
+
+def test_result_lines_by_key_keep_the_last_line_of_each_value() -> None:
+    from agentroll.bench.record import result_lines
+
+    out = "progress\nopt=a speedup=1 x=1\nnoise here\nopt=b speedup=2\nopt=a speedup=3\nk=v\n"
+    assert result_lines(out, "opt") == {"a": "opt=a speedup=3", "b": "opt=b speedup=2"}
+    assert result_lines("nothing", "opt") == {}
