@@ -29,6 +29,7 @@ from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.run.metrics import MetricsWriter
 from agentroll.run.recipe import Recipe, create_run_dir
+from agentroll.run.replay import TrainedLog
 from agentroll.types import Trajectory
 
 if TYPE_CHECKING:
@@ -265,6 +266,7 @@ async def train(
     t = recipe.trainer
     trainer, algorithm = build_trainer(recipe, model_dir)
     metrics = MetricsWriter(run_dir, "trainer")
+    trained = TrainedLog(run_dir)
     bar = Progress("training steps", recipe.run.steps, mode=progress)
     worker_version = 0
     try:
@@ -283,6 +285,7 @@ async def train(
                     stats = await asyncio.to_thread(trainer.step, batch)
                     await client.ack(x.id for x in pending)
                 metrics.event("step", **step_fields(step, stats, pending, version))
+                trained.write(step, pending)
                 bar.advance()
                 if (step + 1) % recipe.sync.interval == 0 or step + 1 == recipe.run.steps:
                     with metrics.span("trainer.busy", phase="export+push"):
@@ -293,6 +296,7 @@ async def train(
     finally:
         bar.close()
         metrics.close()
+        trained.close()
     return status
 
 
@@ -326,6 +330,7 @@ async def train_in_process(
     colocated = p.mode == "colocated"
     trainer, algorithm = build_trainer(recipe, model_dir)
     metrics = MetricsWriter(run_dir, "colocated" if colocated else "in-process")
+    trained = TrainedLog(run_dir)
     bar = Progress("training steps", recipe.run.steps, mode=progress)
     offset = time.time() - time.perf_counter()  # switch and move times are perf_counter seconds
     last = {"woke": time.time(), "trained": time.time()}
@@ -343,6 +348,7 @@ async def train_in_process(
             last["trained"] = time.time()
         done[0] += 1
         metrics.event("step", **step_fields(step, st, batch, version))
+        trained.write(step, batch)
         return update
 
     def on_step(step: int, batch: list[Trajectory], _: Any) -> None:
@@ -446,6 +452,7 @@ async def train_in_process(
     finally:
         bar.close()
         metrics.close()
+        trained.close()
     out: dict[str, Any] = {
         "placement": p.mode,
         "partial_rollouts": p.partial_rollouts,

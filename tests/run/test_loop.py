@@ -59,6 +59,21 @@ def test_run_writes_a_complete_run_directory(
     assert "checkpointed" in (run_dir / "worker.log").read_text()
     # `agentroll report` reads the same directory again
     assert main(["report", str(run_dir)]) == 0
+    # what each step trained on is recorded, and a replay says where it diverged (the
+    # asynchronous loop is not deterministic: episodes finish in their own order)
+    from agentroll.run.replay import read_log
+
+    assert [(s["step"], len(s["trajectories"])) for s in read_log(run_dir)] == [
+        (0, 8),
+        (1, 8),
+        (2, 8),
+    ]
+    capsys.readouterr()
+    code = main(["run", "--replay", str(run_dir), "--run-dir", str(tmp_path / "replay")])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and re.search(r"^replay (identical|diverged) ", out, re.M), out
+    summary = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert summary["steps"] == 3 and (summary["divergence"] is None) == (code == 0)
 
 
 def test_lost_counts_leased_trajectories_as_still_held() -> None:
