@@ -3,16 +3,14 @@
 A run writes ``trained.jsonl``: per trainer step, every trajectory it trained on as (task,
 sample, reward, token ids), sorted, so two runs compare step by step whatever order their
 episodes finished in.  ``first_divergence`` (pure) names the first step, trajectory and
-token where two such logs differ; ``agentroll run --replay RUN_DIR`` runs the recorded
-recipe again (its resolved ``recipe.toml``, seeds and a check of ``versions.json``) and
-reports it.  Invariants: a log line is flushed when its step is trained; no I/O in the
+token where two such logs differ (``agentroll run --replay RUN_DIR``, in
+``agentroll.commands.run``, runs the recorded recipe again and reports it).  Invariants: a log line is flushed when its step is trained; no I/O in the
 comparison.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,47 +125,8 @@ def version_changes(recorded: dict[str, str], current: dict[str, str]) -> list[s
     ]
 
 
-def replay(run_dir: str | Path, *, out_dir: str | Path | None = None) -> int:
-    """``agentroll run --replay RUN_DIR``: run the recorded recipe again into ``out_dir``
-    (default: beside it), compare what each step trained on; 0 if the runs agree, 1 at the
-    first divergence (printed, and written to ``replay.json``)."""
-    import asyncio
-    import sys
-
-    from agentroll.run.loop import run_recipe_async
-    from agentroll.run.recipe import load_recipe, package_versions
-
-    src = Path(run_dir)
-    if not (src / "recipe.toml").is_file():
-        raise ConfigError(f"{src} holds no recipe.toml: pass the directory of a run")
-    recorded = read_log(src)
-    versions_path = src / "versions.json"
-    recorded_versions = json.loads(versions_path.read_text()) if versions_path.is_file() else {}
-    changes = version_changes(recorded_versions, package_versions())
-    for change in changes:
-        print(f"replay: version differs: {change}", file=sys.stderr)
-    recipe = load_recipe(src / "recipe.toml")
-    dest = (
-        Path(out_dir) if out_dir else src.with_name(f"{src.name}-replay-{time.strftime('%H%M%S')}")
-    )
-    asyncio.run(run_recipe_async(recipe, src / "recipe.toml", run_dir=dest))
-    found = first_divergence(recorded, read_log(dest))
-    summary = {
-        "recorded": str(src),
-        "replayed": str(dest),
-        "steps": len(recorded),
-        "versions_changed": changes,
-        "divergence": _as_dict(found),
-    }
-    (dest / "replay.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if found is None:
-        print(f"replay identical steps={len(recorded)} run_dir={dest}")
-        return 0
-    print(f"{found.line()} run_dir={dest}")
-    return 1
-
-
-def _as_dict(d: Divergence | None) -> dict[str, Any] | None:
+def as_dict(d: Divergence | None) -> dict[str, Any] | None:
+    """The divergence as JSON fields (None stays None)."""
     if d is None:
         return None
     return {f: getattr(d, f) for f in ("step", "index", "task", "sample", "token", "what")}
@@ -177,9 +136,9 @@ __all__ = [
     "LOG",
     "Divergence",
     "TrainedLog",
+    "as_dict",
     "first_divergence",
     "read_log",
-    "replay",
     "step_record",
     "version_changes",
 ]

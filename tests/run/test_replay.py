@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agentroll.commands.run import replay
 from agentroll.errors import ConfigError
 from agentroll.run.replay import (
     TrainedLog,
     first_divergence,
     read_log,
-    replay,
     step_record,
     version_changes,
 )
