@@ -754,6 +754,86 @@ def _group_cutoff(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     )
 
 
+async def colocated_run(
+    recipe: Recipe, model: Path, steps: int, *, partial: bool
+) -> tuple[list[list[Trajectory]], int]:
+    """The recipe's colocated loop (``agentroll.run.placement``) on one built-in engine
+    with the recipe's trainer for ``steps`` steps, partial rollouts on or off; returns the
+    batches trained (in order) and how many episodes were parked across switches."""
+    from agentroll.rollout.engine import RolloutEngine
+    from agentroll.run.build import rollout_config
+    from agentroll.run.loop import build_trainer
+    from agentroll.run.placement import PlacementConfig, run_placement
+
+    trainer, algorithm = build_trainer(recipe, model)
+    env, tasks = _tasks(recipe, recipe.trainer.batch_size * steps)
+    batches: list[list[Trajectory]] = []
+
+    def train(batch: list[Trajectory], base: int) -> WeightUpdate:
+        batches.append(list(batch))
+        trainer.step(algorithm.collate(batch, pad_id=0))
+        return trainer.export(base)
+
+    p = recipe.placement
+    config = PlacementConfig(
+        mode="colocated",
+        partial_rollouts=partial,
+        sleep_level=p.sleep_level,
+        wake_timeout=p.wake_timeout,
+    )
+    async with (
+        _engine(recipe, model) as backend,
+        RolloutEngine(backend, env, rollout_config(recipe)) as engine,
+    ):
+        stats = await run_placement(
+            engine,
+            train,
+            tasks,
+            steps=steps,
+            batch_groups=recipe.trainer.batch_size // recipe.rollout.samples_per_task,
+            config=config,
+        )
+    return batches, sum(s.parked for s in stats.switches)
+
+
+def _partial_rollouts(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """Colocated training with partial rollouts (stragglers parked across a switch finish
+    under the next weights) against waiting for every episode of a phase: what the trainer
+    is handed must keep its distribution."""
+    _enough(episodes)
+    steps = max(2, math.ceil(episodes / recipe.trainer.batch_size))
+
+    async def both() -> tuple[tuple[list[list[Trajectory]], int], ...]:
+        a = await colocated_run(recipe, model, steps, partial=True)
+        b = await colocated_run(recipe, model, steps, partial=False)
+        return a, b
+
+    for _ in range(ATTEMPTS):  # whether a switch finds an episode running is timing
+        (with_, parked), (without, _) = asyncio.run(both())
+        if parked:
+            break
+    a = [t for batch in with_ for t in batch]
+    b = [t for batch in without for t in batch]
+    if parked == 0:
+        return False, (
+            f"steps={steps} parked=0: no episode was still running at a switch, so nothing "
+            "finished under newer weights; use more --episodes or longer generations"
+        )
+    ok, figure = ks_compare(a, b)
+    return ok, f"steps={steps} parked={parked} {figure}", histograms(a, b)
+
+
+def _colocated(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """The recipe's colocated training (sleep, wake on each update, its partial-rollouts
+    setting) against synchronous training on fresh batches, from the same weights."""
+    batches, parked = asyncio.run(
+        colocated_run(recipe, model, E2E_STEPS, partial=recipe.placement.partial_rollouts)
+    )
+    a = [sum(t.reward for t in b) / max(1, len(b)) for b in batches]
+    ok, figure, curves = _compare_curves(a, reward_curve(recipe, model, 0))
+    return ok, f"parked={parked} {figure}", curves
+
+
 def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
     """As ``reward_curve``, but each step's batch starts on the previous step's weights and
     the trainer's current weights are synced in mid-generation under the ``keep`` policy,
@@ -864,6 +944,8 @@ def _checks() -> dict[str, Check]:
         "distribution:admission": _admission,
         "distribution:tool_cache": _tool_cache,
         "distribution:group_cutoff": _group_cutoff,
+        "distribution:partial_rollouts": _partial_rollouts,
+        "end_to_end:colocated": _colocated,
         "end_to_end:kv_lag": _kv_lag,
         "end_to_end:async_off_policy": _async_off_policy,
         "end_to_end:importance_cap": _importance_cap,

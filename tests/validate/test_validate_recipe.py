@@ -394,3 +394,20 @@ def test_early_group_cutoff_compares_the_advantages_with_and_without(
     cut, total = map(int, v.figure.split("cut=")[1].split()[0].split("/"))
     assert total == 16 and cut == 8  # every group decided after two: two stragglers cut
     assert "advantage_ks=" in v.figure and {e.name for e in v.evidence} == {"advantage", "reward"}
+
+
+def test_colocated_training_and_partial_rollouts_are_checked(tmp_path: Path) -> None:
+    from agentroll.run.loop import prepare_model
+
+    repo = Path(__file__).resolve().parents[2]
+    text = RECIPE.format(traces=repo / "examples/data/calculator_traces.jsonl")
+    text = text.replace("concurrency = 8", "concurrency = 16")  # more in flight than a batch
+    recipe = parse_recipe(text + '\n[placement]\nmode = "colocated"\n').resolved(tmp_path)
+    model = prepare_model(recipe, tmp_path)
+    (partial,) = validate_recipe(recipe, model, episodes=16, only="partial_rollouts")
+    (colocated,) = validate_recipe(recipe, model, episodes=16, only="colocated")
+    assert (partial.risk, partial.verdict) == ("distribution", "pass"), partial.figure
+    assert int(partial.figure.split("parked=")[1].split()[0]) > 0
+    assert (colocated.risk, colocated.verdict) == ("end_to_end", "pass"), colocated.figure
+    assert "steps=8 reward_start=" in colocated.figure
+    assert [e.kind for e in colocated.evidence] == ["curve"]
