@@ -325,6 +325,15 @@ def ks_series(sa: dict[str, list[float]], sb: dict[str, list[float]]) -> tuple[b
     return ok, " ".join(parts) + f" tolerance={KS_TOLERANCE} alpha={ALPHA}"
 
 
+def compared(
+    figure: str, with_: list[Trajectory], without: list[Trajectory]
+) -> tuple[bool, str, list[Evidence]]:
+    """A distribution check's result: ``ks_compare`` after the check's own ``figure``,
+    with the histograms."""
+    ok, tests = ks_compare(with_, without)
+    return ok, f"{figure} {tests}", histograms(with_, without)
+
+
 def histograms(with_: list[Trajectory], without: list[Trajectory]) -> list[Evidence]:
     """The samples ``ks_compare`` tests, as the report's histograms."""
     sa, sb = _series(with_), _series(without)
@@ -468,8 +477,7 @@ def _staleness(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
             f"lag={lag} max_weight_change=0: the recipe's rewards gave the trainer nothing to "
             "learn on this model (validate with its warmed-up or trained checkpoint)"
         )
-    ok, figure = ks_compare(stale, fresh)
-    return ok, f"lag={lag} max_weight_change={moved:.3g} {figure}", histograms(stale, fresh)
+    return compared(f"lag={lag} max_weight_change={moved:.3g}", stale, fresh)
 
 
 #: training steps of each side of an end-to-end comparison
@@ -561,8 +569,7 @@ def _rolling(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
             break
     if len(versions) < 2:
         return False, f"versions={sorted(versions)}: the update landed after the episodes"
-    ok, figure = ks_compare(mixed, at_once)
-    return ok, f"replicas={n} versions={sorted(versions)} {figure}", histograms(mixed, at_once)
+    return compared(f"replicas={n} versions={sorted(versions)}", mixed, at_once)
 
 
 #: trainer steps of a scaled-down consumption run (``consumed_episodes``)
@@ -716,8 +723,7 @@ def _tool_cache(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
             f"{counts}: no call of a pure tool repeated a key in {episodes} episodes, so the "
             "check saw nothing cached; use more --episodes or the recipe's trained model"
         )
-    ok, figure = ks_compare(with_, without)
-    return ok, f"{counts} {figure}", histograms(with_, without)
+    return compared(counts, with_, without)
 
 
 def _group_cutoff(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
@@ -819,8 +825,7 @@ def _partial_rollouts(recipe: Recipe, model: Path, episodes: int) -> CheckOutput
             f"steps={steps} parked=0: no episode was still running at a switch, so nothing "
             "finished under newer weights; use more --episodes or longer generations"
         )
-    ok, figure = ks_compare(a, b)
-    return ok, f"steps={steps} parked={parked} {figure}", histograms(a, b)
+    return compared(f"steps={steps} parked={parked}", a, b)
 
 
 def _colocated(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
@@ -1080,9 +1085,11 @@ __all__ = [
     "MIN_EPISODES",
     "Evidence",
     "Verdict",
+    "compared",
     "distribution_check",
     "histograms",
     "ks_compare",
+    "ks_series",
     "parity_check",
     "recipe_episodes",
     "token_parity",

@@ -399,10 +399,13 @@ def test_early_group_cutoff_compares_the_advantages_with_and_without(
 def test_colocated_training_and_partial_rollouts_are_checked(tmp_path: Path) -> None:
     from agentroll.run.loop import prepare_model
 
-    repo = Path(__file__).resolve().parents[2]
-    text = RECIPE.format(traces=repo / "examples/data/calculator_traces.jsonl")
-    text = text.replace("concurrency = 8", "concurrency = 16")  # more in flight than a batch
+    # long-tailed episodes (one task in four takes eight turns): stragglers at each switch
+    text = RECIPE.replace(
+        'name = "calculator"\nkwargs = {{ num_tasks = 16, max_operand = 9, traces = "{traces}" }}',
+        'name = "agentroll.testing:LongTail"\nkwargs = { num_tasks = 16, long_turns = 8, every = 4 }',
+    )
     recipe = parse_recipe(text + '\n[placement]\nmode = "colocated"\n').resolved(tmp_path)
+    assert recipe.environment.name == "agentroll.testing:LongTail"
     model = prepare_model(recipe, tmp_path)
     (partial,) = validate_recipe(recipe, model, episodes=16, only="partial_rollouts")
     (colocated,) = validate_recipe(recipe, model, episodes=16, only="colocated")
