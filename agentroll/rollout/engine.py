@@ -42,7 +42,14 @@ from agentroll.errors import ConfigError
 from agentroll.progress import Progress, ProgressMode
 from agentroll.rollout.builder import TrajectoryBuilder
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeJob, EpisodeRun, make_checkpoint
-from agentroll.rollout.episode_loop import EpisodeLoop, _finite, _Outcome, episode_seed
+from agentroll.rollout.episode_loop import (
+    EpisodeLoop,
+    _finite,
+    _Outcome,
+    discard_warm,
+    episode_seed,
+    start_warm,
+)
 from agentroll.rollout.pause import EpisodeView, PauseController, PolicyFn, as_policy_fn
 from agentroll.rollout.tool_cache import ToolCache
 from agentroll.types import Strategy, SyncReport, Task, Trajectory, new_id, unicode_safe
@@ -78,6 +85,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     # (and none failed), the rest stop and take that reward (status "cut", nothing of them
     # trained on); 0 turns it off.  Changes the data: `agentroll validate` checks it.
     group_cutoff: float = 0.0
+    # sandbox pre-warm: a group's sandboxes start when the group is admitted, before its
+    # samples' episodes begin (those waiting for a free slot find theirs started)
+    prewarm_sandboxes: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -150,6 +160,7 @@ class RolloutEngine(EpisodeLoop):
             else None
         )
         self._tool_inflight = {}
+        self._prewarmed = {}
         self._tool_specs = env.tool_specs or None
         self._has_group_reward = bool(env.rubric and env.rubric.group_funcs)
         self._executor: ThreadPoolExecutor | None = None
@@ -509,6 +520,7 @@ class RolloutEngine(EpisodeLoop):
         )
 
         gate = asyncio.Lock()
+        warmed: list[tuple[str, int]] = []  # pre-warmed samples of this run
 
         async def next_job() -> _Job | None:
             async with gate:  # one group is admitted at a time, and whole
@@ -521,6 +533,12 @@ class RolloutEngine(EpisodeLoop):
                 task, _, group, _ = job
                 for i in range(n):
                     owed[group, i] = EpisodeJob(task=task, sample_index=i, group_id=group)
+                box = self.env.sandbox_config
+                if self.config.prewarm_sandboxes and box is not None:
+                    for i in range(n):
+                        label = f"{group}-{i}"
+                        self._prewarmed[group, i] = tg.create_task(start_warm(box, label))
+                        warmed.append((group, i))
                 return job
 
         # Workers follow the jobs: the newest one, once it holds a job, starts the next (up to
@@ -636,6 +654,9 @@ class RolloutEngine(EpisodeLoop):
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._workers.difference_update(workers)
+            # sandboxes pre-warmed for samples that never began (the loop was left early)
+            left = [self._prewarmed.pop(k) for k in warmed if k in self._prewarmed]
+            await asyncio.gather(*(discard_warm(w) for w in left), return_exceptions=True)
 
     async def _whole(self, group: list[_Outcome]) -> list[Trajectory]:
         """A complete group as delivered: scored with its group rewards when the

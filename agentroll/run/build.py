@@ -164,6 +164,7 @@ def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
         tool_cache=r.tool_cache,
         tool_cache_verify=r.tool_cache_verify,
         group_cutoff=r.group_cutoff,
+        prewarm_sandboxes=r.prewarm_sandboxes,
         progress="off",
     )
 

@@ -224,6 +224,8 @@ class RolloutSection(_Section, frozen=True):
     # early group cut-off: once this share of a group finished with one reward (none
     # failed), its stragglers stop and take that reward, untrained (0: off)
     group_cutoff: float = 0.0
+    # start a group's sandboxes when the group is admitted, before its episodes begin
+    prewarm_sandboxes: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -694,6 +694,18 @@ def _group_prefill(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, st
     return ok, f"{shared} {figure}"
 
 
+def _prewarm(recipe: Recipe, model: Path, episodes: int) -> tuple[bool, str]:
+    """The recipe's episodes with their sandboxes pre-warmed against opened by each
+    episode, token for token (a sandbox started earlier must be the same sandbox)."""
+
+    async def both() -> tuple[list[Trajectory], list[Trajectory]]:
+        on, off = {"prewarm_sandboxes": True}, {"prewarm_sandboxes": False}
+        a = await recipe_episodes(recipe, model, episodes, rollout=on)
+        return a, await recipe_episodes(recipe, model, episodes, rollout=off)
+
+    return token_parity(*asyncio.run(both()))
+
+
 def _tool_cache(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """The recipe's episodes with the result cache of pure tools against without: the
     distributions must agree, and no tool declared pure may have returned two results for
@@ -938,6 +950,7 @@ def _checks() -> dict[str, Check]:
         "token_parity:prefix_cache": parity_check(without={"enable_prefix_caching": False}),
         "token_parity:chunked_prefill": parity_check(without={"max_num_batched_tokens": 1 << 16}),
         "token_parity:group_prefill": _group_prefill,
+        "token_parity:prewarm": _prewarm,
         "token_parity:reference": _existing(check_reference_parity),
         "token_parity:pause_resume": _existing(check_token_parity_pause),
         "token_parity:migrate": _existing(check_token_parity_migrate),

@@ -123,6 +123,14 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
         "episodes in flight are checkpointed at a stop and resume in another process",
     ),
     Optimisation(
+        "sandbox_prewarm",
+        "token_parity",
+        ("rollout.prewarm_sandboxes",),
+        lambda r: r.rollout.prewarm_sandboxes,
+        "token_parity:prewarm",
+        "a group's sandboxes start when it is admitted, before its episodes",
+    ),
+    Optimisation(
         "keep_kv_under_new_weights",
         "distribution",
         ("sync.policy",),

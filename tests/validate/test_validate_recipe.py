@@ -414,3 +414,14 @@ def test_colocated_training_and_partial_rollouts_are_checked(tmp_path: Path) -> 
     assert (colocated.risk, colocated.verdict) == ("end_to_end", "pass"), colocated.figure
     assert "steps=8 reward_start=" in colocated.figure
     assert [e.kind for e in colocated.evidence] == ["curve"]
+
+
+def test_sandbox_prewarm_keeps_every_token(recipe_and_model: tuple[object, Path]) -> None:
+    import msgspec
+
+    recipe, model = recipe_and_model
+    rollout = msgspec.structs.replace(recipe.rollout, prewarm_sandboxes=True)  # type: ignore[attr-defined]
+    on = msgspec.structs.replace(recipe, rollout=rollout)  # type: ignore[type-var]
+    (v,) = validate_recipe(on, model, episodes=8, only="sandbox_prewarm")
+    assert (v.risk, v.verdict) == ("token_parity", "pass"), v.figure
+    assert "differ=0" in v.figure
