@@ -17,13 +17,16 @@ from agentroll.validate.common import collect_stream, start_streams
 
 KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 ENGINE = {"kv_cache_mb": 4, "max_num_seqs": 16}
+# long enough that a sleep issued after 8 tokens finds the calls still running, even when
+# a loaded machine delays the sleep's round trip to a Ray replica
+MAX_TOKENS = 128
 
 
 def _request(i: int) -> GenerationRequest:
     return GenerationRequest(
         request_id=f"r{i}",
         prompt_ids=[5, 6, 7, 8 + i],
-        sampling=SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=i),
+        sampling=SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i),
         episode_id=f"e{i}",
     )
 
@@ -45,7 +48,7 @@ async def test_fleet_sleeps_and_wakes_with_the_next_version(
         assert all(r.version == update.version for r in replicas)
         results = await asyncio.gather(*tasks)
     for ids, _, versions in results:
-        assert len(ids) == 32
+        assert len(ids) == MAX_TOKENS
         assert all(kv <= pv for pv, kv in versions)
     # every request parked by the sleep samples again after it: on the new weights
     on_new = sum(versions[-1][0] == update.version for _, _, versions in results)
@@ -66,7 +69,7 @@ async def test_a_refused_update_at_wake_leaves_the_fleet_asleep(
         assert fleet.asleep == 1
         await fleet.wake()
         ids, _, _ = await collect_stream(fleet, _request(0))
-        assert len(ids) == 32 and fleet.policy_version == 0
+        assert len(ids) == MAX_TOKENS and fleet.policy_version == 0
 
 
 async def test_the_fleets_sleep_policy_reaches_its_replicas(
@@ -80,4 +83,4 @@ async def test_the_fleets_sleep_policy_reaches_its_replicas(
         assert report.parked >= 1 and report.kept_bytes == 0
         await fleet.wake()
         results = await asyncio.gather(*tasks)
-    assert all(len(ids) == 32 for ids, _, _ in results)
+    assert all(len(ids) == MAX_TOKENS for ids, _, _ in results)
