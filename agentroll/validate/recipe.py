@@ -851,6 +851,49 @@ def _colocated(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     return ok, f"parked={parked} {figure}", curves
 
 
+def _autoscale(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
+    """The recipe's in-process separate run with its autoscaler against the same run with
+    capacity fixed, from the same weights: the rewards and lengths of what each step
+    trained on (``trained.jsonl``) must keep their distribution; a run whose autoscaler
+    moved nothing checked nothing and fails."""
+    import tempfile
+
+    from agentroll.run.loop import train_in_process
+    from agentroll.run.replay import read_log
+
+    _enough(episodes)
+    steps = max(4, math.ceil(episodes / recipe.trainer.batch_size))
+    run = msgspec.structs.replace(recipe.run, steps=steps)
+
+    def series(log: list[dict[str, Any]]) -> dict[str, list[float]]:
+        ts = [t for step in log for t in step["trajectories"]]
+        return {
+            "reward": [float(t["reward"]) for t in ts],
+            "length": [float(len(t["tokens"])) for t in ts],
+        }
+
+    async def one(autoscale: bool, out: Path) -> dict[str, Any]:
+        placement = msgspec.structs.replace(recipe.placement, autoscale=autoscale)
+        r = msgspec.structs.replace(recipe, run=run, placement=placement)
+        return await train_in_process(r, model_dir=model, run_dir=out, progress="off")
+
+    with tempfile.TemporaryDirectory(prefix="agentroll-validate-") as tmp:
+        a, b = Path(tmp, "autoscale"), Path(tmp, "fixed")
+        a.mkdir()
+        b.mkdir()
+        moved = asyncio.run(one(True, a)).get("moves", 0)
+        asyncio.run(one(False, b))
+        sa, sb = series(read_log(a)), series(read_log(b))
+    if not moved:
+        return False, (
+            f"steps={steps} moves=0: the autoscaler moved no capacity, so nothing was "
+            "checked; use more --episodes or a recipe whose sides are unbalanced"
+        )
+    ok, figure = ks_series(sa, sb)
+    evidence = [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
+    return ok, f"steps={steps} moves={moved} {figure}", evidence
+
+
 def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
     """As ``reward_curve``, but each step's batch starts on the previous step's weights and
     the trainer's current weights are synced in mid-generation under the ``keep`` policy,
@@ -963,6 +1006,7 @@ def _checks() -> dict[str, Check]:
         "distribution:tool_cache": _tool_cache,
         "distribution:group_cutoff": _group_cutoff,
         "distribution:partial_rollouts": _partial_rollouts,
+        "distribution:autoscale": _autoscale,
         "end_to_end:colocated": _colocated,
         "end_to_end:kv_lag": _kv_lag,
         "end_to_end:async_off_policy": _async_off_policy,

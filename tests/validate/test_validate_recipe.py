@@ -425,3 +425,20 @@ def test_sandbox_prewarm_keeps_every_token(recipe_and_model: tuple[object, Path]
     (v,) = validate_recipe(on, model, episodes=8, only="sandbox_prewarm")
     assert (v.risk, v.verdict) == ("token_parity", "pass"), v.figure
     assert "differ=0" in v.figure
+
+
+def test_autoscale_is_compared_with_fixed_capacity(tmp_path: Path) -> None:
+    from agentroll.run.loop import prepare_model
+
+    repo = Path(__file__).resolve().parents[2]
+    text = RECIPE.format(traces=repo / "examples/data/calculator_traces.jsonl")
+    text = text.replace("[backend]\n", "[backend]\nreplicas = 2\n")
+    # a window per step and a narrow band: the tiny trainer is the slow side, so the
+    # autoscaler hands it a replica's core within the run
+    text += "\n[placement]\nautoscale = true\nwindow_steps = 1\nautoscale_band = 0.05\n"
+    recipe = parse_recipe(text).resolved(tmp_path)
+    model = prepare_model(recipe, tmp_path)
+    (v,) = validate_recipe(recipe, model, episodes=32, only="autoscale")
+    assert (v.risk, v.verdict) == ("distribution", "pass"), v.figure
+    assert int(v.figure.split("moves=")[1].split()[0]) >= 1
+    assert {e.name for e in v.evidence} == {"reward", "length"}
