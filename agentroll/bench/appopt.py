@@ -242,8 +242,7 @@ def verdict(with_: Side, without: Side, opt: str = "tool_cache") -> tuple[bool, 
     advantages and rewards keep their distribution (the validate check's tests), and the
     episodes not cut are the same on both sides.  Otherwise: the same tool results, rewards
     (and tokens) per (task, sample), the distribution tests passing, no impure tool."""
-    from agentroll.trainer.algorithm import grpo_advantages
-    from agentroll.validate.recipe import ks_compare, ks_series
+    from agentroll.validate.recipe import advantage_series, ks_compare, ks_series
 
     if opt == "early_group_cutoff":
         # a (task, sample) recurs across groups of one task: compare as multisets, where
@@ -251,14 +250,9 @@ def verdict(with_: Side, without: Side, opt: str = "tool_cache") -> tuple[bool, 
         missing = Counter(with_.seen) - Counter(without.seen)
         differ = max(0, sum(missing.values()) - with_.cut)
 
-        def series(s: Side) -> dict[str, list[float]]:
-            ts = s.trajectories
-            return {
-                "advantage": [float(a) for a in grpo_advantages(ts)],
-                "reward": [float(t.reward) for t in ts],
-            }
-
-        ks_ok, _ = ks_series(series(with_), series(without))
+        ks_ok, _ = ks_series(
+            advantage_series(with_.trajectories), advantage_series(without.trajectories)
+        )
         return differ == 0 and ks_ok, f"differ={differ} cut={with_.cut}"
     differ = sum(a != b for a, b in zip(with_.seen, without.seen, strict=True))
     ks_ok, _ = ks_compare(with_.trajectories, without.trajectories)

@@ -336,8 +336,23 @@ def compared(
 
 def histograms(with_: list[Trajectory], without: list[Trajectory]) -> list[Evidence]:
     """The samples ``ks_compare`` tests, as the report's histograms."""
-    sa, sb = _series(with_), _series(without)
+    return series_histograms(_series(with_), _series(without))
+
+
+def series_histograms(sa: dict[str, list[float]], sb: dict[str, list[float]]) -> list[Evidence]:
+    """Named samples (``ks_series``'s input) as the report's histograms."""
     return [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
+
+
+def advantage_series(ts: list[Trajectory]) -> dict[str, list[float]]:
+    """The GRPO advantage and the reward of each trajectory (whole groups): what early
+    group cut-off must not shift."""
+    from agentroll.trainer.algorithm import grpo_advantages
+
+    return {
+        "advantage": [float(a) for a in grpo_advantages(ts)],
+        "reward": [float(t.reward) for t in ts],
+    }
 
 
 # -- checks -----------------------------------------------------------------------------------
@@ -742,8 +757,6 @@ def _group_cutoff(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     """The recipe's groups with early cut-off against without: the trainer's advantages
     (GRPO, per group) and the rewards must keep their distribution (cutting a group whose
     stragglers would have scored otherwise turns its advantages to zero)."""
-    from agentroll.trainer.algorithm import grpo_advantages
-
     _enough(episodes)
     if recipe.rollout.samples_per_task < 2:
         raise ConfigError("early group cut-off needs rollout.samples_per_task >= 2")
@@ -756,19 +769,12 @@ def _group_cutoff(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
     with_, without = asyncio.run(both())
     cut = sum(t.status == "cut" for t in with_)
 
-    def series(ts: list[Trajectory]) -> dict[str, list[float]]:
-        return {
-            "advantage": [float(a) for a in grpo_advantages(ts)],
-            "reward": [float(t.reward) for t in ts],
-        }
-
-    sa, sb = series(with_), series(without)
+    sa, sb = advantage_series(with_), advantage_series(without)
     ok, figure = ks_series(sa, sb)
-    evidence = [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
     return (
         ok,
         f"group_cutoff={recipe.rollout.group_cutoff} cut={cut}/{len(with_)} {figure}",
-        evidence,
+        series_histograms(sa, sb),
     )
 
 
@@ -890,8 +896,7 @@ def _autoscale(recipe: Recipe, model: Path, episodes: int) -> CheckOutput:
             "checked; use more --episodes or a recipe whose sides are unbalanced"
         )
     ok, figure = ks_series(sa, sb)
-    evidence = [Evidence(kind="hist", name=k, with_=sa[k], without=sb[k]) for k in sa]
-    return ok, f"steps={steps} moves={moved} {figure}", evidence
+    return ok, f"steps={steps} moves={moved} {figure}", series_histograms(sa, sb)
 
 
 def kv_lag_curve(recipe: Recipe, model: Path, steps: int = E2E_STEPS) -> tuple[list[float], int]:
@@ -1142,6 +1147,7 @@ __all__ = [
     "MIN_EPISODES",
     "Evidence",
     "Verdict",
+    "advantage_series",
     "compared",
     "distribution_check",
     "histograms",
@@ -1149,6 +1155,7 @@ __all__ = [
     "ks_series",
     "parity_check",
     "recipe_episodes",
+    "series_histograms",
     "token_parity",
     "validate_recipe",
     "write_plots",
