@@ -20,7 +20,9 @@ KINDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 ENGINE = {"kv_cache_mb": 4, "max_num_seqs": 16}
 
 
-def _request(i: int, tokens: int = 48) -> GenerationRequest:
+# long enough that calls seen in flight on a leaving replica are still running when its
+# removal snapshots them, even when a loaded machine slows the round trip to Ray
+def _request(i: int, tokens: int = 128) -> GenerationRequest:
     return GenerationRequest(
         request_id=f"r{i}",
         prompt_ids=[5, 6, 7, 8 + i],
