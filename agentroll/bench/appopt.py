@@ -7,7 +7,7 @@ is the median of the per-pair episodes/s ratios (``ratio_min``/``ratio_max``: it
 Its verdict is the optimisation's validate verdict on the bench's own episodes.
 ``tool_cache``: the scripted agent on the mock backend; the same tool results and rewards
 per (task, sample) as without, the two-sample tests passing, no tool found impure.
-``sandbox_prewarm``: the scripted agent, a group's sandboxes started at its admission;
+``sandbox_prewarm``: the scripted agent, the next group's sandboxes kept started ahead;
 the same tool results and rewards per (task, sample).
 ``group_prefix_sharing``: the tiny model on the built-in engine (batch-invariant); the
 same tokens and logprobs per (task, sample) as without, and ``prefill_saved`` (the share
@@ -225,7 +225,8 @@ async def run_side(
     return Side(
         episodes_per_s=len(out) / elapsed,
         calls=sum(len(turn.tool_results) for t in out for turn in t.turns),
-        hits=int(stats.get("hits", 0)),
+        # hits: tool-cache hits, or episodes whose sandbox was started ahead (pre-warm)
+        hits=int(stats.get("hits", 0)) + engine.stats["prewarmed_sandboxes"],
         impure=tuple(stats.get("impure", ())),
         seen=seen,
         trajectories=out,

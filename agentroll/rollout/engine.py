@@ -46,11 +46,10 @@ from agentroll.rollout.episode_loop import (
     EpisodeLoop,
     _finite,
     _Outcome,
-    discard_warm,
     episode_seed,
-    start_warm,
 )
 from agentroll.rollout.pause import EpisodeView, PauseController, PolicyFn, as_policy_fn
+from agentroll.rollout.prewarm import WarmPool
 from agentroll.rollout.tool_cache import ToolCache
 from agentroll.types import Strategy, SyncReport, Task, Trajectory, new_id, unicode_safe
 
@@ -85,9 +84,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
     # (and none failed), the rest stop and take that reward (status "cut", nothing of them
     # trained on); 0 turns it off.  Changes the data: `agentroll validate` checks it.
     group_cutoff: float = 0.0
-    # sandbox pre-warm: a group's sandboxes start when the group is admitted, before its
-    # samples' episodes begin (those waiting for a free slot find theirs started)
+    # sandbox pre-warm: the sandboxes of the next ``prewarm_groups`` groups' samples are kept
+    # started ahead of their episodes (rollout.prewarm), from the engine's start to its close
     prewarm_sandboxes: bool = False
+    prewarm_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -99,6 +99,10 @@ class RolloutConfig(msgspec.Struct, kw_only=True, frozen=True):
         if not 0.0 <= self.group_cutoff < 1.0:
             raise ConfigError(
                 f"group_cutoff={self.group_cutoff}: use 0 (off) or a share in (0, 1), e.g. 0.75"
+            )
+        if not 1 <= self.prewarm_groups <= 64:
+            raise ConfigError(
+                f"prewarm_groups={self.prewarm_groups}: use 1 to 64 groups started ahead"
             )
         if not 0.0 <= self.tool_cache_verify <= 1.0:
             raise ConfigError(f"tool_cache_verify={self.tool_cache_verify}: use a value in [0, 1]")
@@ -160,7 +164,7 @@ class RolloutEngine(EpisodeLoop):
             else None
         )
         self._tool_inflight = {}
-        self._prewarmed = {}
+        self._warm = None
         self._tool_specs = env.tool_specs or None
         self._has_group_reward = bool(env.rubric and env.rubric.group_funcs)
         self._executor: ThreadPoolExecutor | None = None
@@ -186,6 +190,7 @@ class RolloutEngine(EpisodeLoop):
             "restarted_turns": 0,
             "forks": 0,
             "groups_cut": 0,
+            "prewarmed_sandboxes": 0,  # episodes that found their sandbox started
         }
 
     async def __aenter__(self) -> RolloutEngine:
@@ -196,6 +201,11 @@ class RolloutEngine(EpisodeLoop):
         await self._tg.__aenter__()
         if isinstance(self.env, DrivesEpisodes):
             await self.env.open_driver(self.backend, self.tokenizer)
+        box = self.env.sandbox_config
+        if self.config.prewarm_sandboxes and box is not None:
+            n = self.config.prewarm_groups * self.config.samples_per_task
+            self._warm = WarmPool(box, n)
+            self._warm.fill()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -214,6 +224,9 @@ class RolloutEngine(EpisodeLoop):
                     if exc[1] is None or list(group.exceptions) != [exc[1]]:
                         raise
         finally:
+            warm, self._warm = self._warm, None
+            if warm is not None:
+                await warm.close()
             if isinstance(self.env, DrivesEpisodes):
                 await self.env.close_driver()
             if self._executor is not None:
@@ -520,7 +533,6 @@ class RolloutEngine(EpisodeLoop):
         )
 
         gate = asyncio.Lock()
-        warmed: list[tuple[str, int]] = []  # pre-warmed samples of this run
 
         async def next_job() -> _Job | None:
             async with gate:  # one group is admitted at a time, and whole
@@ -533,12 +545,6 @@ class RolloutEngine(EpisodeLoop):
                 task, _, group, _ = job
                 for i in range(n):
                     owed[group, i] = EpisodeJob(task=task, sample_index=i, group_id=group)
-                box = self.env.sandbox_config
-                if self.config.prewarm_sandboxes and box is not None:
-                    for i in range(n):
-                        label = f"{group}-{i}"
-                        self._prewarmed[group, i] = tg.create_task(start_warm(box, label))
-                        warmed.append((group, i))
                 return job
 
         # Workers follow the jobs: the newest one, once it holds a job, starts the next (up to
@@ -654,9 +660,6 @@ class RolloutEngine(EpisodeLoop):
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             self._workers.difference_update(workers)
-            # sandboxes pre-warmed for samples that never began (the loop was left early)
-            left = [self._prewarmed.pop(k) for k in warmed if k in self._prewarmed]
-            await asyncio.gather(*(discard_warm(w) for w in left), return_exceptions=True)
 
     async def _whole(self, group: list[_Outcome]) -> list[Trajectory]:
         """A complete group as delivered: scored with its group rewards when the

@@ -30,9 +30,9 @@ from agentroll.errors import BackendError, ChatTemplateError, ConfigError, Gener
 from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
+from agentroll.rollout.prewarm import WarmPool, close_shielded
 from agentroll.rollout.tool_cache import CACHEABLE_ERRORS, ToolCache, for_call
 from agentroll.sandbox import open_sandbox
-from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.tool import call_tool
 from agentroll.types import (
     FinishReason,
@@ -63,19 +63,6 @@ def episode_seed(base: int, task_id: str, sample_index: int) -> int:
     """Deterministic 63-bit seed of one episode."""
     digest = hashlib.blake2b(f"{base}:{task_id}:{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-async def close_shielded(sandbox: Sandbox) -> None:
-    """Close ``sandbox`` to completion even if the caller is being cancelled."""
-    task = asyncio.ensure_future(sandbox.close())
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise
-    except Exception:
-        logger.exception("sandbox close failed")
 
 
 class _Outcome:
@@ -110,7 +97,7 @@ class EpisodeLoop:
     _tool_specs: Any
     tool_cache: ToolCache | None
     _tool_inflight: dict[str, asyncio.Future[ToolResult]]
-    _prewarmed: dict[tuple[str, int], asyncio.Task[Sandbox]]
+    _warm: WarmPool | None  # sandboxes started ahead of their episodes (pre-warm)
     _executor: ThreadPoolExecutor | None
     _live: dict[str, EpisodeRun]
 
@@ -148,8 +135,6 @@ class EpisodeLoop:
                 run.restarted_turns = 1
                 self.stats["restarted_turns"] += 1
         self._live[state.episode_id] = run
-        # a sandbox started for this sample when its group was admitted (pre-warm)
-        warm = self._prewarmed.pop((run.group_id, sample_index), None)
         traj: Trajectory | None = None
         earlier: list[Trajectory] = []
         error: str | None = None
@@ -161,8 +146,9 @@ class EpisodeLoop:
                 if cut:  # decided before it started: it does nothing
                     raise TimeoutError("its group was decided")
                 if env.sandbox_config is not None:
-                    run.sandbox = await self._take_warm(warm) if checkpoint is None else None
-                    warm = None
+                    warm = self._warm if checkpoint is None else None
+                    run.sandbox = await warm.take() if warm is not None else None
+                    self.stats["prewarmed_sandboxes"] += run.sandbox is not None
                     if run.sandbox is None:
                         run.sandbox = open_sandbox(env.sandbox_config, episode_id=state.episode_id)
                         await run.sandbox.start()
@@ -218,8 +204,6 @@ class EpisodeLoop:
             try:
                 if run.sandbox is not None:
                     await close_shielded(run.sandbox)
-                if warm is not None:  # not taken (cut, or failed before): nobody else will
-                    await discard_warm(warm)
             finally:
                 self._live.pop(state.episode_id, None)
         if traj is None:
@@ -241,18 +225,6 @@ class EpisodeLoop:
         self.stats["failed"] += error is not None
         self.stats["turns"] += len(run.turns)
         return _Outcome(traj, env, earlier)
-
-    @staticmethod
-    async def _take_warm(warm: asyncio.Task[Sandbox] | None) -> Sandbox | None:
-        """The pre-warmed sandbox, or None when there is none or its start failed (the
-        episode then opens its own)."""
-        if warm is None:
-            return None
-        try:
-            return await warm
-        except Exception:
-            logger.debug("a pre-warmed sandbox failed to start", exc_info=True)
-            return None
 
     def _driven(
         self, run: EpisodeRun, samples: list[Trajectory]
@@ -656,27 +628,6 @@ class EpisodeLoop:
             traj.rewards, traj.reward = _finite(rewards, float(sum(rewards.values())))
         else:
             traj.rewards, traj.reward = _finite({"reward": float(value)}, float(value))
-
-
-async def start_warm(config: SandboxConfig, label: str) -> Sandbox:
-    """A started sandbox for a sample whose episode has not begun (closed if the start
-    fails)."""
-    sandbox = open_sandbox(config, episode_id=label)
-    try:
-        await sandbox.start()
-    except BaseException:
-        await close_shielded(sandbox)
-        raise
-    return sandbox
-
-
-async def discard_warm(warm: asyncio.Task[Sandbox]) -> None:
-    """Cancel a pre-warm or close the sandbox it started."""
-    if not warm.done():
-        warm.cancel()  # a start cut short closes what it opened
-        await asyncio.wait({warm})
-    if not warm.cancelled() and warm.exception() is None:
-        await close_shielded(warm.result())
 
 
 def _env_messages(value: Any, env: Environment, hook: str) -> list[Message]:

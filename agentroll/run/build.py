@@ -165,6 +165,7 @@ def rollout_config(recipe: Recipe, *, seed: int | None = None) -> RolloutConfig:
         tool_cache_verify=r.tool_cache_verify,
         group_cutoff=r.group_cutoff,
         prewarm_sandboxes=r.prewarm_sandboxes,
+        prewarm_groups=r.prewarm_groups,
         progress="off",
     )
 

@@ -208,6 +208,7 @@ class RolloutSection(_Section, frozen=True):
         "episode_timeout": Bound(0.001, 604_800.0, "seconds"),  # up to a week
         "tool_cache_verify": Bound(0.0, 1.0, "(a probability)"),
         "group_cutoff": Bound(0.0, 1.0, "(a share; 0: off)", high_open=True),
+        "prewarm_groups": Bound(1, 64, "groups"),
     }
 
     concurrency: int = 32
@@ -224,8 +225,10 @@ class RolloutSection(_Section, frozen=True):
     # early group cut-off: once this share of a group finished with one reward (none
     # failed), its stragglers stop and take that reward, untrained (0: off)
     group_cutoff: float = 0.0
-    # start a group's sandboxes when the group is admitted, before its episodes begin
+    # keep the sandboxes of the next prewarm_groups groups' samples started ahead of their
+    # episodes (a replacement starts as each is taken)
     prewarm_sandboxes: bool = False
+    prewarm_groups: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()

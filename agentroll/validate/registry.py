@@ -125,10 +125,10 @@ OPTIMISATIONS: tuple[Optimisation, ...] = (
     Optimisation(
         "sandbox_prewarm",
         "token_parity",
-        ("rollout.prewarm_sandboxes",),
+        ("rollout.prewarm_sandboxes", "rollout.prewarm_groups"),
         lambda r: r.rollout.prewarm_sandboxes,
         "token_parity:prewarm",
-        "a group's sandboxes start when it is admitted, before its episodes",
+        "the next groups' sandboxes start ahead of their episodes",
     ),
     Optimisation(
         "keep_kv_under_new_weights",
