@@ -50,7 +50,7 @@ lint: $(STAMP)
 # AGENTROLL_REQUIRE: resources whose absence fails the suite instead of skipping tests.
 test: $(STAMP) $(VLLM_STAMP) services lint
 	$(BIN)/python -m agentroll.engine.kernels
-	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm,kernels AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
+	AGENTROLL_REQUIRE=bwrap,ray,docker,vllm,kernels,trl,openenv,verifiers AGENTROLL_DOCKER_HOST=$$(scripts/dockerd.sh host) \
 		$(BIN)/pytest -q -ra
 
 # The documentation site (mkdocs-material + mkdocstrings) into site/; strict: a warning fails.
