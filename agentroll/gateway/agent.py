@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from agentroll.env import Environment, EpisodeState, call_hook
-from agentroll.errors import ConfigError
+from agentroll.errors import ConfigError, EnvError
 from agentroll.gateway.config import GatewayConfig
 from agentroll.gateway.gateway import Gateway
 from agentroll.gateway.routes import serve_gateway
@@ -107,6 +107,8 @@ class AgentEnvironment(Environment):
         finally:
             status: Status = "failed" if error is not None else "ok"
             samples = await gw.end(session, status=status, reason="agent_error" if error else "")
+        if not samples and error is not None:  # it failed before its first call: say why
+            raise EnvError(f"the agent failed before its first model call: {error}")
         for t in samples:
             t.error = error
         if error is None and session.reward is None and samples:

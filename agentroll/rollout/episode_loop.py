@@ -26,7 +26,13 @@ from agentroll.backends.base import (
 )
 from agentroll.chat import ChatTokenizer, ParsedOutput
 from agentroll.env import DrivesEpisodes, Environment, EpisodeState, call_hook
-from agentroll.errors import BackendError, ChatTemplateError, ConfigError, GenerationTimeout
+from agentroll.errors import (
+    BackendError,
+    ChatTemplateError,
+    ConfigError,
+    EnvError,
+    GenerationTimeout,
+)
 from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
@@ -228,18 +234,22 @@ class EpisodeLoop:
 
     def _driven(
         self, run: EpisodeRun, samples: list[Trajectory]
-    ) -> tuple[Trajectory | None, list[Trajectory]]:
+    ) -> tuple[Trajectory, list[Trajectory]]:
         """A self-driven episode's samples under this episode's identity: the last is the
-        episode's trajectory, the earlier ones are delivered with it."""
+        episode's trajectory, the earlier ones are delivered with it.  Raises ``EnvError``
+        when there is none (no model call was made)."""
         st = run.state
         for k, t in enumerate(samples):
             last = k == len(samples) - 1
             t.id = st.episode_id if last else f"{st.episode_id}-s{k}"
             t.group_id, t.sample_index, t.seed = run.group_id, st.sample_index, st.seed
             t.env_name, t.env_version = run.env.name, run.env.version
-        if not samples:
+        if not samples:  # nothing to build a trajectory from: a failed episode, with why
             run.stop_reason = "no_calls"
-            return None, []
+            raise EnvError(
+                f"{type(run.env).__name__}.drive_episode made no model call; the episode "
+                "has no tokens to train on"
+            )
         return samples[-1], samples[:-1]
 
     def _build(self, run: EpisodeRun) -> Trajectory:

@@ -87,3 +87,24 @@ async def test_a_failing_agent_is_data(tok: ChatTokenizer) -> None:
     assert bad.status == "failed" and "the agent crashed" in (bad.error or "")
     assert len(bad.turns) == 1 and bad.num_generated > 0
     assert good.status == "ok" and good.reward == 1.0 and good.error is None
+
+
+async def test_an_agent_failing_before_its_first_call_says_why(tok: ChatTokenizer) -> None:
+    """No model call means no tokens: the episode fails as data with the agent's own error
+    (or, when it returned without calling, with that), never an engine internals error."""
+
+    async def early(task: Task, base_url: str, api_key: str) -> float:
+        if task.id == "raises":
+            raise RuntimeError("no API key configured")
+        return 1.0  # returns without a model call
+
+    backend = MockBackend(script, tokenizer=tok)
+    tasks = [Task(id=i, data={"prompt": "add"}) for i in ("raises", "silent")]
+    config = RolloutConfig(concurrency=2, progress="off")
+    async with backend, RolloutEngine(backend, AgentEnvironment(early), config, tokenizer=tok) as e:
+        trajs = {t.task_id: t async for t in e.run(tasks)}
+    assert trajs["raises"].status == "failed"
+    assert "RuntimeError: no API key configured" in (trajs["raises"].error or "")
+    assert trajs["silent"].status == "failed"
+    assert "made no model call" in (trajs["silent"].error or "")
+    assert all(t.num_tokens == 0 for t in trajs.values())
