@@ -290,6 +290,12 @@ class Environment:
         """Score a finished episode.  Default: the rubric, or 0."""
         return 0.0
 
+    async def end_episode(self, state: EpisodeState) -> None:
+        """Release what the episode holds outside its sandbox (a remote session, a lease).
+        Called once per episode run, however it ended (finished, failed, cancelled or
+        checkpointed by a stop), before its sandbox closes; shielded from cancellation; an
+        exception is logged, not raised.  Default: nothing."""
+
     def state_dict(self) -> dict[str, Any]:
         """Per-episode state to checkpoint (msgspec-encodable).  Default: none."""
         return {}

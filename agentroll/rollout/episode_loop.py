@@ -208,6 +208,7 @@ class EpisodeLoop:
             self.pauses.untrack(timer)
             self.backend.end_episode(state.episode_id)
             try:
+                await _end_shielded(env, state)
                 if run.sandbox is not None:
                     await close_shielded(run.sandbox)
             finally:
@@ -638,6 +639,20 @@ class EpisodeLoop:
             traj.rewards, traj.reward = _finite(rewards, float(sum(rewards.values())))
         else:
             traj.rewards, traj.reward = _finite({"reward": float(value)}, float(value))
+
+
+async def _end_shielded(env: Environment, state: EpisodeState) -> None:
+    """``env.end_episode(state)`` to completion even if the episode is being cancelled; its
+    failure is logged (the episode's outcome is already decided)."""
+    task = asyncio.ensure_future(call_hook(env.end_episode, state))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await task
+        raise
+    except Exception:
+        logger.exception("%s.end_episode failed", type(env).__name__)
 
 
 def _env_messages(value: Any, env: Environment, hook: str) -> list[Message]:

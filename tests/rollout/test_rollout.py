@@ -798,3 +798,39 @@ async def test_run_groups_yields_each_group_whole_and_stop_hands_back_the_rest(
         at_once = [g async for g in engine.run_groups([], finished=whole)]
     assert sorted((len(g), len({t.group_id for t in g})) for g in again) == [(2, 1)] * 3
     assert [[t.id for t in g] for g in at_once] == [[t.id for t in g] for g in groups]
+
+
+class Ending(Environment):
+    """Records each episode's end_episode; task "bad" fails in reset, "hang" never ends."""
+
+    ended: list[str] = []
+    started = asyncio.Event()
+
+    async def reset(self, task: Task, *, seed: int) -> list[Message]:
+        Ending.started.set()
+        if task.id == "bad":
+            raise RuntimeError("no such task")
+        return [Message(role="user", content="hi")]
+
+    async def end_episode(self, state: EpisodeState) -> None:
+        await asyncio.sleep(0)  # a real release awaits (a socket close)
+        Ending.ended.append(state.task.id)
+
+
+async def test_end_episode_runs_once_however_the_episode_ends(tok: ChatTokenizer) -> None:
+    Ending.ended = []
+    backend = MockBackend(["done"], tokenizer=tok)
+    trajs = await run_all(backend, Ending(), tok, [Task(id="ok"), Task(id="bad")])
+    assert sorted(t.status for t in trajs) == ["failed", "ok"]
+    assert sorted(Ending.ended) == ["bad", "ok"]
+
+    # cancelled mid-generation: the hook still runs to completion
+    Ending.ended, Ending.started = [], asyncio.Event()
+    slow = MockBackend(["x" * 400], tokenizer=tok, latency=0.05, chunk_size=1)
+    async with RolloutEngine(slow, Ending(), CFG, tokenizer=tok) as engine:
+        first = asyncio.ensure_future(anext(aiter(engine.run([Task(id="hang")]))))
+        await Ending.started.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    assert Ending.ended == ["hang"]
