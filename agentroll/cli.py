@@ -1,4 +1,4 @@
-"""Command line: ``agentroll run | worker | gateway | report | bench | validate | envs | model | sandbox``.
+"""Command line: ``agentroll run | worker | gateway | serve-env | report | bench | validate | envs | model | sandbox``.
 
 A thin dispatcher: each subcommand lives in ``agentroll.commands.<name>`` (imported only when
 used) and returns the exit status; an ``AgentrollError`` prints one line that says what to do
@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": (
         "agentroll.commands.gateway",
         "serve an OpenAI-compatible gateway for existing agents, plus the trajectory stream",
+    ),
+    "serve-env": (
+        "agentroll.commands.serve_env",
+        "serve an agentroll environment as an OpenEnv server (reset/step/state, MCP tools)",
     ),
     "report": (
         "agentroll.commands.report",
