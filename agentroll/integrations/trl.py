@@ -394,8 +394,8 @@ def agentroll_reward(
 
 def environment_factory(
     env: Environment, *, tasks: Iterable[Task] = (), tool_timeout: float | None = None
-) -> tuple[type[Any], Callable[..., list[float]]]:
-    """``(EnvClass, reward_func)`` for ``GRPOTrainer(environment_factory=EnvClass,
+) -> tuple[type[Any], Callable[..., list[float]], Callable[[], None]]:
+    """``(EnvClass, reward_func, close)`` for ``GRPOTrainer(environment_factory=EnvClass,
     reward_funcs=[reward_func])``: TRL's own loop calls the environment's tools.
 
     ``EnvClass()`` is one rollout's environment: ``reset(**row)`` starts the episode for the
@@ -406,7 +406,8 @@ def environment_factory(
     returning the tool's text (an error is text the model sees, as in agentroll).
     ``reward_func`` scores each rollout as the rollout engine does (the rubric, else
     ``env.reward``) on its prompt and completion messages.
-    ``EnvClass.close_all()`` closes every open sandbox (call it after training).
+    ``close()`` closes every open sandbox and the adapter's loop thread (after training; the
+    class has no public method but ``reset`` and the tools, since TRL shows each as a tool).
     """
     check_trl()
     loop = _LoopThread(f"agentroll-trl-{env.name}")
@@ -475,13 +476,13 @@ def environment_factory(
     for tool_name, t in env.tools.items():
         setattr(AgentrollEnv, tool_name, _tool_method(tool_name, t))
 
-    def close_all() -> None:
+    def close() -> None:
         for e in live:
             with contextlib.suppress(Exception):
                 loop.run(e._close(), timeout=60)
         live.clear()
+        loop.close()
 
-    AgentrollEnv.close_all = staticmethod(close_all)  # type: ignore[attr-defined]
     AgentrollEnv.__name__ = AgentrollEnv.__qualname__ = _class_name(env.name)
 
     def reward_func(
@@ -498,7 +499,7 @@ def environment_factory(
         return out
 
     reward_func.__name__ = f"{env.name}_reward"
-    return AgentrollEnv, reward_func
+    return AgentrollEnv, reward_func, close
 
 
 def _message_fields(m: Mapping[str, Any]) -> dict[str, Any]:

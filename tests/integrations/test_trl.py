@@ -154,7 +154,7 @@ def test_environment_factory_runs_the_tools_and_scores_the_answer() -> None:
 
     env = load_environment("calculator", num_tasks=2, seed=0)
     known, other = list(env.tasks())
-    cls, reward = environment_factory(env, tasks=[known])
+    cls, reward, close = environment_factory(env, tasks=[known])
     try:
         schema = get_json_schema(cls.calc)  # what TRL shows the model
         assert schema["function"]["name"] == "calc"
@@ -174,4 +174,55 @@ def test_environment_factory_runs_the_tools_and_scores_the_answer() -> None:
         prompts = [known.data["prompt"], other.data["prompt"], known.data["prompt"]]
         assert reward(prompts, [*right, wrong], [a, b, a]) == [1.0, 1.0, 0.0]
     finally:
-        cls.close_all()
+        close()
+
+
+@pytest.mark.slow
+def test_environment_factory_under_grpo_trainers_own_loop(tiny_model: Path, tmp_path: Path) -> None:
+    """TRL builds the model's tool list from the class (calc only: nothing else it exposes is
+    taken for a tool), resets one instance per rollout and scores with the reward function.
+    The untrained tiny model seldom calls a tool; the tool path is the test above."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    env = load_environment("calculator", num_tasks=4, seed=0)
+    tasks = list(env.tasks())
+    cls, reward, close = environment_factory(env, tasks=tasks)
+    resets: list[str] = []
+    reset = cls.reset
+
+    def counting(self: Any, **row: Any) -> None:
+        resets.append(row["task_id"])
+        reset(self, **row)
+
+    cls.reset = counting
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model), padding_side="left")
+    tokenizer.chat_template = qwen2_5_chat_template  # one TRL can parse tool calls from
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        max_steps=2,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=24,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
+    try:
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(str(tiny_model)),
+            reward_funcs=[reward],
+            args=args,
+            train_dataset=trl_dataset(tasks),
+            processing_class=tokenizer,
+            environment_factory=cls,
+        )
+        trainer.train()
+    finally:
+        close()
+    assert [m.__name__ for ms in trainer._env_tools.values() for m in ms] == ["calc"]
+    assert len(resets) == 8 and set(resets) <= {t.id for t in tasks}
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all("rewards/calculator_reward/mean" in h for h in logs)
