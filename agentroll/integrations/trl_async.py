@@ -491,10 +491,11 @@ class AgentrollWeightTransfer:
     and this side checks the update's digest against its own ``model_digest(
     state_checksums(...))`` and the worker's version afterwards (``history``).  ``layout``
     maps the trainer's parameter names and dtype to the engine's (see ``engine_state``).
+    ``policy``: the resume policy of the generations each push pauses (``keep``,
+    ``recompute``, ``restart``; None: the worker's recipe's ``[sync] policy``).
     ``pause``/``resume`` do nothing: the worker pauses its generations at a token boundary
-    for the push itself and resumes them with its recipe's ``[sync] policy`` (``keep``,
-    ``recompute``, ``restart`` or ``staleness``) in one transaction, so a trainer that dies
-    between the two cannot leave it paused.  A worker that is unreachable is retried for
+    for the push itself and resumes them under that policy in one transaction, so a
+    trainer that dies between the two cannot leave it paused.  A worker that is unreachable is retried for
     ``retry_for`` seconds (``StreamError`` then); a refused update raises
     ``WeightSyncError``.
     """
@@ -508,8 +509,12 @@ class AgentrollWeightTransfer:
         layout: ServingLayout | None = None,
         retry_for: float = 120.0,
         retry_interval: float = 0.2,
+        policy: str | None = None,
     ) -> None:
         check_trl_contract()
+        if policy not in (None, "keep", "recompute", "restart"):
+            raise ConfigError(f"policy={policy!r}: use 'keep', 'recompute', 'restart' or None")
+        self.policy = policy
         self.url = url
         self._client_kwargs: dict[str, Any] = {"token": token, "run_dir": run_dir}
         StreamClient(url, **self._client_kwargs)  # a missing token is a ConfigError now
@@ -537,7 +542,7 @@ class AgentrollWeightTransfer:
         """Nothing: the push pauses the worker's generations itself (see the class)."""
 
     def resume(self) -> None:
-        """Nothing: the push resumes them with the worker's resume policy."""
+        """Nothing: the push resumes them under ``policy``."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Convert TRL's ``(name, tensor)`` stream to the engine's layout and push it; returns
@@ -573,7 +578,7 @@ class AgentrollWeightTransfer:
                 if await self._worker_version(client) == exporter.version:
                     return None
                 update = exporter.full()
-                await client.push_weights(update)
+                await client.push_weights(update, policy=self.policy)
                 return self._record(update, await self._worker_version(client))
 
             record = _run_sync(self._with_client(run))
@@ -631,7 +636,7 @@ class AgentrollWeightTransfer:
         deadline = time.monotonic() + self.retry_for
         while True:
             try:
-                await client.push_weights(update)
+                await client.push_weights(update, policy=self.policy)
                 break
             except WeightSyncError as exc:
                 if not isinstance(exc.__cause__, httpx.HTTPError):

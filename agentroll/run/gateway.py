@@ -61,9 +61,10 @@ async def serve_recipe_gateway(
     backend = build_backend(recipe, model_dir)
     gw: Gateway | None = None
 
-    async def on_weights(update: WeightUpdate) -> None:
+    async def on_weights(update: WeightUpdate, *, policy: str | None = None) -> None:
         assert gw is not None
-        await gw.sync(update, policy=resume_policy(recipe.sync), strategy=None)
+        chosen = policy or resume_policy(recipe.sync)  # the pusher's, else the recipe's
+        await gw.sync(update, policy=chosen, strategy=None)  # type: ignore[arg-type]
 
     stream = TrajectoryStream(
         recipe.stream.spool_dir or run_dir / "spool",

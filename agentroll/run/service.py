@@ -75,8 +75,8 @@ class _NotingStream(TrajectoryStream):
             self.service.note_trainer_version(trainer_version)
         return await super().lease(max_trajectories, wait=wait, trainer_version=trainer_version)
 
-    async def apply_weights(self, update: WeightUpdate) -> None:
-        await super().apply_weights(update)
+    async def apply_weights(self, update: WeightUpdate, *, policy: str | None = None) -> None:
+        await super().apply_weights(update, policy=policy)
         self.service.note_trainer_version(update.version)
 
 
@@ -223,13 +223,15 @@ class RolloutService:
 
         return check
 
-    async def _on_weights(self, update: WeightUpdate) -> None:
+    async def _on_weights(self, update: WeightUpdate, *, policy: str | None = None) -> None:
         fleet, engine = self.backend, self.engine
         assert engine is not None  # the engine starts before the stream is served
         inflight = await fleet.inflight_calls()
         before = msgspec.structs.replace(fleet.stats)
         t0 = time.time()
-        report = await engine.sync(update, policy=resume_policy(self.recipe.sync))
+        # the pusher's resume policy (checked by the route), else the recipe's
+        chosen = policy or resume_policy(self.recipe.sync)
+        report = await engine.sync(update, policy=chosen)  # type: ignore[arg-type]
         t1 = time.time()
         after = fleet.stats
         self.counters["syncs"] += 1
@@ -243,6 +245,7 @@ class RolloutService:
             "sync",
             version=update.version,
             strategy=report.strategy,
+            policy=chosen,
             seconds=report.seconds,
             pause_ms=list(report.pause_ms),
             mid_generation=len(inflight),

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -28,7 +28,16 @@ from agentroll.stream.wire import (
     LeaseBatch,
     LeaseRequest,
 )
-from agentroll.types import decode_json, decode_msgpack, encode_json, encode_msgpack
+from agentroll.types import (
+    ResumePolicy,
+    decode_json,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+
+#: the resume policies a weight push may ask for (``POST /v1/weights?policy=``)
+RESUME_POLICIES: tuple[str, ...] = get_args(ResumePolicy)
 
 
 class _RawLeaseBatch(msgspec.Struct, kw_only=True):
@@ -79,7 +88,7 @@ def stream_app(stream: TrajectoryStream, *, token: str, stop: asyncio.Event | No
     ``POST /v1/lease`` (``max``, ``wait``, ``trainer_version``: at most the version of the
     last weights pushed; 200 ``LeaseBatch`` or 204, 409 above it), ``POST /v1/ack``
     (``{"ids": [...]}`` -> ``{"acked": n}``), ``POST /v1/weights`` (a streamed
-    ``WeightUpdate``), ``GET /v1/status``, ``GET /metrics``.  Every route requires
+    ``WeightUpdate``; ``?policy=keep|recompute|restart`` asks for that resume policy), ``GET /v1/status``, ``GET /metrics``.  Every route requires
     ``Authorization: Bearer <token>``; a worker writes its token to
     ``<run_dir>/stream.token`` (``agentroll.stream.auth``).
     """
@@ -160,6 +169,11 @@ def stream_app(stream: TrajectoryStream, *, token: str, stop: asyncio.Event | No
 
         # the header frame is judged before a payload byte is read; a refusal is answered
         # at once and the connection closes after it (the rest of the body is never read)
+        policy = request.query.get("policy")
+        if policy is not None and policy not in RESUME_POLICIES:
+            return Response.text(
+                400, f"policy={policy!r}: use one of {', '.join(RESUME_POLICIES)}, or none"
+            )
         hint = " (StreamConfig.max_weights_bytes)"
         decoder = FrameDecoder(
             check=stream.check_upload, max_bytes=config.max_weights_bytes, hint=hint
@@ -176,7 +190,7 @@ def stream_app(stream: TrajectoryStream, *, token: str, stop: asyncio.Event | No
         except WeightSyncError as exc:
             return Response.text(400, f"malformed weight upload: {exc}")
         try:
-            await stream.apply_weights(update)
+            await stream.apply_weights(update, policy=policy)
         except WeightSyncError as exc:
             return Response.text(409, str(exc))
         return Response.data(msgspec.json.encode({"version": update.version}), JSON)

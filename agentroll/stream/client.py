@@ -453,18 +453,23 @@ class StreamClient:
                 if failed and sys.exc_info()[0] in (None, GeneratorExit):
                     raise failed[0]
 
-    async def push_weights(self, update: WeightUpdate, *, chunk_bytes: int = 1 << 20) -> None:
+    async def push_weights(
+        self, update: WeightUpdate, *, chunk_bytes: int = 1 << 20, policy: str | None = None
+    ) -> None:
         """Stream a full or delta ``WeightUpdate`` to the worker, which applies it before
-        replying.  Raises ``WeightSyncError`` when it was refused or the upload failed
-        (nothing was applied then)."""
+        replying.  ``policy`` (``keep``/``recompute``/``restart``) is the resume policy of the
+        generations it pauses; None leaves the worker's recipe's.  Raises
+        ``WeightSyncError`` when it was refused or the upload failed (nothing was applied
+        then)."""
         from agentroll.weights.http import HttpTransport
 
         if self._weights_client is None:  # streams the upload (FastTransport would buffer it)
             self._weights_client = httpx.AsyncClient(
                 headers=self._headers, timeout=httpx.Timeout(self.timeout, connect=10.0)
             )
+        query = f"?policy={policy}" if policy is not None else ""
         transport = HttpTransport(
-            f"{self.url}/v1/weights",
+            f"{self.url}/v1/weights{query}",
             token=self.token,
             chunk_bytes=chunk_bytes,
             client=self._weights_client,

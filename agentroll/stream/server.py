@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -198,11 +199,21 @@ class _RecordsCommitter:
         self._thread.join()
 
 
+def _takes_policy(fn: Callable[..., Any]) -> bool:
+    """Whether ``on_weights`` accepts a ``policy`` keyword (the per-push resume policy)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "policy" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 class TrajectoryStream:
     """A spool directory and a ``TrajectoryBuffer`` behind one producer/consumer API.
 
     ``on_weights`` applies a ``WeightUpdate`` to the worker's backend (raise
-    ``WeightSyncError`` to refuse it); ``check_weights`` judges an upload's header frame
+    ``WeightSyncError`` to refuse it; a ``policy`` keyword, when it takes one, is the resume
+    policy a pusher asked for); ``check_weights`` judges an upload's header frame
     before any payload is read (raise ``WeightSyncError`` to refuse it: wrong base version,
     tensors that do not match the model).  ``clock`` is the buffer's clock (lease ttl).
     At start-up, unacknowledged records are restored grouped by ``group_id`` in spool order;
@@ -483,13 +494,24 @@ class TrajectoryStream:
         if self.check_weights is not None:
             self.check_weights(header)
 
-    async def apply_weights(self, update: WeightUpdate) -> None:
+    async def apply_weights(self, update: WeightUpdate, *, policy: str | None = None) -> None:
         """Apply ``update`` through ``on_weights``, then make its version the policy and the
-        buffer's trainer version (re-checking staleness).  Raises ``WeightSyncError`` when
-        there is no ``on_weights`` or it refused the update."""
+        buffer's trainer version (re-checking staleness).  ``policy``: the resume policy the
+        pusher asks for (``keep``/``recompute``/``restart``), passed to an ``on_weights``
+        that takes a ``policy`` keyword; None leaves the worker's own.  Raises
+        ``WeightSyncError`` when there is no ``on_weights``, it refused the update, or a
+        policy was asked of an ``on_weights`` that cannot take one."""
         if self.on_weights is None:
             raise WeightSyncError(_NO_WEIGHTS)
-        await self.on_weights(update)
+        if policy is None:
+            await self.on_weights(update)
+        elif _takes_policy(self.on_weights):
+            await self.on_weights(update, policy=policy)  # type: ignore[call-arg]
+        else:
+            raise WeightSyncError(
+                f"this worker applies weights with its own resume policy; push without "
+                f"policy={policy!r}"
+            )
         self.policy_version = update.version
         self.counters["weight_updates"] += 1
         if update.version > self.buffer.statistics().trainer_version:

@@ -124,7 +124,7 @@ def test_async_grpo_trains_from_the_stream_across_a_worker_kill(
     procs = [_start_worker(recipe, tiny_model, run_dir, port)]
     try:
         url = _wait_ready(procs[0], run_dir / "ready.json")
-        transfer = AgentrollWeightTransfer(url, run_dir=run_dir)
+        transfer = AgentrollWeightTransfer(url, run_dir=run_dir, policy="recompute")
         worker = AgentrollRolloutWorker(url, run_dir=run_dir, weight_transfer=transfer)
 
         class KillWorker(TrainerCallback):
@@ -198,3 +198,7 @@ def test_async_grpo_trains_from_the_stream_across_a_worker_kill(
     # an acknowledged trajectory left the spool; a taken, unacknowledged one was not lost
     assert not offered & acked
     assert taken - acked <= offered
+    # each push paused the worker's generations under the transfer's own resume policy
+    events = [json.loads(line) for line in (run_dir / "worker.jsonl").read_text().splitlines()]
+    syncs = [e for e in events if e.get("kind") == "sync"]
+    assert syncs and {e["policy"] for e in syncs} == {"recompute"}

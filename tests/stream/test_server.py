@@ -683,6 +683,36 @@ async def test_weight_uploads_are_judged_from_their_header(tmp_path: Path) -> No
     assert applied == [3]
 
 
+async def test_a_push_may_name_the_resume_policy(tmp_path: Path) -> None:
+    """``push_weights(policy=)`` reaches an ``on_weights`` that takes ``policy``; one that
+    cannot is refused with why (nothing applied); an unknown policy is a 400."""
+    seen: list[tuple[int, str | None]] = []
+
+    async def with_policy(update: WeightUpdate, *, policy: str | None = None) -> None:
+        seen.append((update.version, policy))
+
+    async def without(update: WeightUpdate) -> None:
+        seen.append((update.version, "never"))
+
+    async with (
+        worker(tmp_path / "a", on_weights=with_policy) as (_, url),
+        StreamClient(url, token=TOKEN) as client,
+    ):
+        await client.push_weights(make_update(1), policy="restart")
+        await client.push_weights(make_update(2))
+        with pytest.raises(WeightSyncError, match="HTTP 400: policy='sometimes'"):
+            await client.push_weights(make_update(3), policy="sometimes")
+    assert seen == [(1, "restart"), (2, None)]
+    async with (
+        worker(tmp_path / "b", on_weights=without) as (_, url),
+        StreamClient(url, token=TOKEN) as client,
+    ):
+        with pytest.raises(WeightSyncError, match="its own resume policy"):
+            await client.push_weights(make_update(4), policy="keep")
+        await client.push_weights(make_update(5))
+    assert seen[2:] == [(5, "never")]
+
+
 async def test_bad_requests_get_4xx_and_the_worker_keeps_serving(tmp_path: Path) -> None:
     async with worker(tmp_path) as (stream, url):
         await stream.publish([traj(0)])
