@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import ipaddress
 import socket
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from agentroll._net import is_loopback
 from agentroll.env import Environment, EpisodeState, call_hook, load_environment
 from agentroll.errors import ConfigError, MissingDependencyError
 from agentroll.sandbox import Sandbox, open_sandbox
@@ -321,16 +321,6 @@ class BearerAuth:
                 await send({"type": "http.response.body", "body": b"unauthorized\n"})
                 return
         await self.app(scope, receive, send)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

@@ -36,7 +36,7 @@ from agentroll.errors import (
 from agentroll.rollout.builder import TrajectoryBuilder, common_prefix
 from agentroll.rollout.checkpoint import EpisodeCheckpoint, EpisodeRun
 from agentroll.rollout.pause import PauseController
-from agentroll.rollout.prewarm import WarmPool, close_shielded
+from agentroll.rollout.prewarm import WarmPool, close_shielded, run_shielded
 from agentroll.rollout.tool_cache import CACHEABLE_ERRORS, ToolCache, for_call
 from agentroll.sandbox import open_sandbox
 from agentroll.tool import call_tool
@@ -208,9 +208,11 @@ class EpisodeLoop:
             self.pauses.untrack(timer)
             self.backend.end_episode(state.episode_id)
             try:
-                await _end_shielded(env, state)
-                if run.sandbox is not None:
-                    await close_shielded(run.sandbox)
+                try:
+                    await _end_shielded(env, state)
+                finally:  # also when a cancellation arrived during end_episode
+                    if run.sandbox is not None:
+                        await close_shielded(run.sandbox)
             finally:
                 self._live.pop(state.episode_id, None)
         if traj is None:
@@ -644,15 +646,7 @@ class EpisodeLoop:
 async def _end_shielded(env: Environment, state: EpisodeState) -> None:
     """``env.end_episode(state)`` to completion even if the episode is being cancelled; its
     failure is logged (the episode's outcome is already decided)."""
-    task = asyncio.ensure_future(call_hook(env.end_episode, state))
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await task
-        raise
-    except Exception:
-        logger.exception("%s.end_episode failed", type(env).__name__)
+    await run_shielded(call_hook(env.end_episode, state), f"{type(env).__name__}.end_episode")
 
 
 def _env_messages(value: Any, env: Environment, hook: str) -> list[Message]:

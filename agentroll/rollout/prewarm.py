@@ -15,12 +15,13 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 
 from agentroll.sandbox import open_sandbox
 from agentroll.sandbox.base import Sandbox, SandboxConfig
 from agentroll.types import new_id
 
-__all__ = ["MAX_IDLE", "WarmPool", "close_shielded"]
+__all__ = ["MAX_IDLE", "WarmPool", "close_shielded", "run_shielded"]
 
 logger = logging.getLogger("agentroll.rollout")
 
@@ -90,9 +91,10 @@ class WarmPool:
         await asyncio.gather(*list(self._closing), return_exceptions=True)
 
 
-async def close_shielded(sandbox: Sandbox) -> None:
-    """Close ``sandbox`` to completion even if the caller is being cancelled."""
-    task = asyncio.ensure_future(sandbox.close())
+async def run_shielded(aw: Awaitable[object], what: str) -> None:
+    """Await ``aw`` to completion even if the caller is being cancelled (then re-raise the
+    cancellation after it); its failure is logged as ``what`` failed, never raised."""
+    task = asyncio.ensure_future(aw)
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -100,7 +102,12 @@ async def close_shielded(sandbox: Sandbox) -> None:
             await task
         raise
     except Exception:
-        logger.exception("sandbox close failed")
+        logger.exception("%s failed", what)
+
+
+async def close_shielded(sandbox: Sandbox) -> None:
+    """Close ``sandbox`` to completion even if the caller is being cancelled."""
+    await run_shielded(sandbox.close(), "sandbox close")
 
 
 async def _start(config: SandboxConfig, label: str) -> Sandbox:
