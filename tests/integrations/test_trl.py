@@ -105,6 +105,11 @@ def test_grpo_trainer_trains_three_steps_on_agentroll_episodes(
         syncs = rollout.syncs
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    for h, s in zip(logs, syncs, strict=False):
+        print(
+            f"step={s.step} loss={h['loss']:.4g} reward={h['reward']:.4f} sync={s.kind} "
+            f"bytes={s.payload_bytes} digest_match={s.trainer_digest == s.backend_digest}"
+        )
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
     assert all("rewards/agentroll_reward/mean" in h for h in logs)
     # one sync per rollout: the first finds the same bytes, then a delta per trained step
