@@ -17,6 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.engine",
         "built-in engine tokens/s vs transformers (and vLLM)",
     ),
+    "engine-profile": (
+        "agentroll.bench.engine_profile",
+        "where a decode step of the built-in engine goes: products, attention, sampling",
+    ),
     "sync": (
         "agentroll.bench.sync",
         "delta weight updates: bytes vs verl, encode/apply GB/s vs memcpy",

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import math
 import os
+import random
 import resource
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +35,66 @@ from agentroll.bench.pairs import (
     median_side,
     paired_ratio,
 )
+from agentroll.bench.roofline import (
+    Floor,
+    StepCosts,
+    decode_floor,
+    peak_flops,
+    read_bandwidth,
+    step_costs,
+)
+from agentroll.engine.models.decoder import DecoderConfig, read_config
 from agentroll.errors import ConfigError
+from agentroll.model.shapes import SHAPES, ensure_shape_model, get_shape, num_params
 from agentroll.model.tiny import ensure_tiny_model
 from agentroll.validate.common import sample_prompts
 
+DEFAULT_PROMPT_LEN = 256  # tokens: a multi-turn tool episode's context after a few turns
 REPEATS = 5  # timed repeats of the figures no ratio is taken of (after a warm-up): medians
 
 
 def _log(msg: str) -> None:
     print(f"[bench engine] {msg}", flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Phases:
+    """One system's timings on one pair's prompts: a prefill-only batch (each request's
+    first token) and a full batch of ``max_tokens`` per request on other prompts of the same
+    count and length (so neither hits a prefix cache the other filled)."""
+
+    requests: int
+    prompt_tokens: int  # of the prefill-only batch
+    prefill_s: float
+    generated: int  # tokens of the full batch
+    full_s: float
+
+    @staticmethod
+    def of(
+        pre: list[list[int]],
+        prefill_s: float,
+        full: list[list[int]],
+        full_s: float,
+        outs: list[list[int]],
+    ) -> Phases:
+        return Phases(len(full), sum(map(len, pre)), prefill_s, sum(map(len, outs)), full_s)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of the prefill-only batch."""
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the full batch, prefill included."""
+        return self.generated / self.full_s if self.full_s > 0 else math.nan
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each request's first, over the full batch's time less the
+        prefill-only batch's (``nan`` when nothing is left of either)."""
+        decode_s, tokens = self.full_s - self.prefill_s, self.generated - self.requests
+        return tokens / decode_s if decode_s > 0 and tokens > 0 else math.nan
 
 
 class _Ours:
@@ -54,6 +108,8 @@ class _Ours:
         max_tokens: int,
         batch_invariant: bool,
         cpu_kernels: bool = True,
+        threads: int | None = None,
+        kv_cache_mb: int = 256,
     ) -> None:
         from agentroll.backends.torch import TorchBackend
 
@@ -64,6 +120,8 @@ class _Ours:
             batch_invariant=batch_invariant,
             max_num_seqs=max(64, len(prompts)),
             cpu_kernels=cpu_kernels,
+            num_threads=threads,
+            kv_cache_mb=kv_cache_mb,
         )
         self.last: list[list[int]] = []  # the replies of the last timed batch
 
@@ -75,16 +133,33 @@ class _Ours:
     async def __aexit__(self, *exc: Any) -> None:
         await self.backend.__aexit__(*exc)
 
-    async def _one(self, rid: str, prompt: list[int], seed: int) -> list[int]:
-        sampling = msgspec.structs.replace(self.params, seed=seed)
+    async def _one(
+        self, rid: str, prompt: list[int], seed: int, max_tokens: int | None = None
+    ) -> list[int]:
+        sampling = msgspec.structs.replace(
+            self.params, seed=seed, max_tokens=max_tokens or self.params.max_tokens
+        )
         req = GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sampling)
         out: list[int] = []
         async for chunk in self.backend.generate(req):
             out += chunk.token_ids
         return out
 
-    async def _batch(self, tag: str, prompts: list[list[int]]) -> list[list[int]]:
-        return await asyncio.gather(*(self._one(f"{tag}-{i}", p, i) for i, p in enumerate(prompts)))
+    async def _batch(
+        self, tag: str, prompts: list[list[int]], max_tokens: int | None = None
+    ) -> list[list[int]]:
+        return await asyncio.gather(
+            *(self._one(f"{tag}-{i}", p, i, max_tokens) for i, p in enumerate(prompts))
+        )
+
+    async def phases(self, rep: int, pre: list[list[int]], full: list[list[int]]) -> Phases:
+        """A prefill-only batch (``max_tokens=1``) of ``pre``, then a full batch of ``full``."""
+        start = time.perf_counter()
+        await self._batch(f"p{rep}", pre, 1)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outs = await self._batch(f"f{rep}", full)
+        return Phases.of(pre, prefill_s, full, time.perf_counter() - start, outs)
 
     async def rate(self, rep: int) -> float:
         """Tokens/s of one timed batch of every prompt."""
@@ -112,10 +187,11 @@ async def _ours(
     max_tokens: int,
     batch_invariant: bool,
     cpu_kernels: bool = True,
+    threads: int | None = None,
 ) -> float:
     """Median tokens/s over ``REPEATS`` timed batches of the built-in engine (a figure no
     ratio is taken of, so it is not paired)."""
-    async with _Ours(model, prompts, max_tokens, batch_invariant, cpu_kernels) as ours:
+    async with _Ours(model, prompts, max_tokens, batch_invariant, cpu_kernels, threads) as ours:
         return statistics.median([await ours.rate(rep) for rep in range(REPEATS)])
 
 
@@ -141,6 +217,25 @@ class _HF:
             self.hf.generate(
                 self.ids[:2], attention_mask=self.mask[:2], max_new_tokens=4, pad_token_id=pad
             )
+
+    def phases(self, rep: int, pre: list[list[int]], full: list[list[int]]) -> Phases:
+        """``generate`` of ``pre`` for one token, then of ``full`` (one batch each; the
+        prompts of each batch have one length, so no padding)."""
+        with torch.no_grad():
+            start = time.perf_counter()
+            ids = torch.tensor(pre)
+            self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                **{**self.kwargs, "max_new_tokens": 1, "min_new_tokens": 1},
+            )
+            prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            ids = torch.tensor(full)
+            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **self.kwargs)
+            full_s = time.perf_counter() - start
+        gen = [row.tolist() for row in out[:, len(full[0]) :]]
+        return Phases.of(pre, prefill_s, full, full_s, gen)
 
     def rate(self, batched: bool) -> float:
         """Tokens/s of one pass over every prompt."""
@@ -240,36 +335,232 @@ class _VLLM:
     """vLLM's offline ``LLM`` on the same prompts, started and warmed up once; ``rate``
     times one ``generate`` of every prompt."""
 
-    def __init__(self, model: Path, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(
+        self,
+        model: Path,
+        prompts: list[list[int]],
+        max_tokens: int,
+        threads: int | None = None,
+        kv_gib: int = 1,
+        max_model_len: int | None = None,
+    ) -> None:
         import vllm
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny model needs little
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))  # GiB
+        if threads is not None:
+            # vLLM's CPU worker takes its OpenMP threads from this core list (its default,
+            # "auto", keeps one core per NUMA node for its scheduler: 1 thread on 2 cores) and
+            # then ignores torch.set_num_threads; a list of `threads` cores pins it like the rest
+            cpus = sorted(os.sched_getaffinity(0))[:threads]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         kwargs: dict[str, Any] = {}
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
         if not torch.cuda.is_available():
             # on the CPU this reserves a fraction of host memory at startup and refuses to
             # start when that much is not free (this process holds the other systems already)
             kwargs["gpu_memory_utilization"] = 0.3
         self.llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True, **kwargs)
+        # no detokenisation: a shape's vocabulary is larger than the project tokenizer's
         self.sp = vllm.SamplingParams(
-            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0
+            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0, detokenize=False
+        )
+        self.sp1 = vllm.SamplingParams(
+            temperature=1.0, max_tokens=1, ignore_eos=True, seed=0, detokenize=False
         )
         self.inputs: Any = [{"prompt_token_ids": p} for p in prompts]
         self.llm.generate(self.inputs, self.sp)  # warm-up
 
     @staticmethod
-    def start(model: Path, prompts: list[list[int]], max_tokens: int) -> _VLLM | None:
+    def start(
+        model: Path, prompts: list[list[int]], max_tokens: int, **kwargs: Any
+    ) -> _VLLM | None:
         """The started system, or None when vLLM is not installed."""
         try:
             import vllm  # noqa: F401
         except ImportError:
             return None
-        return _VLLM(model, prompts, max_tokens)
+        return _VLLM(model, prompts, max_tokens, **kwargs)
+
+    def phases(self, rep: int, pre: list[list[int]], full: list[list[int]]) -> Phases:
+        """One ``generate`` of ``pre`` for one token, then one of ``full``."""
+        start = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": p} for p in pre], self.sp1, use_tqdm=False)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in full], self.sp, use_tqdm=False)
+        full_s = time.perf_counter() - start
+        gen = [list(o.outputs[0].token_ids) for o in outs]
+        return Phases.of(pre, prefill_s, full, full_s, gen)
 
     def rate(self) -> float:
         start = time.perf_counter()
         outs = self.llm.generate(self.inputs, self.sp)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return tokens / (time.perf_counter() - start)
+
+
+def phase_prompts(ids: list[int], n: int, length: int, seed: str) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids drawn from ``ids`` by a generator seeded with ``seed``
+    (random token strings share no prefix, so no prefix cache shortens a prefill)."""
+    rng = random.Random(seed)
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Phased:
+    """Prefill and decode of every system, each side the median over the pairs."""
+
+    ours: list[Phases]
+    hf: list[Phases]
+    vllm: list[Phases | None]
+
+    @staticmethod
+    def median(runs: Sequence[Phases | None], figure: str) -> float:
+        return median_side([getattr(r, figure) for r in runs if r is not None])
+
+    def ratio(self, figure: str, baseline: str) -> PairedRatio:
+        """The per-pair ratio of the engine's ``figure`` over ``baseline``'s (nan without)."""
+        other: Sequence[Phases | None] = self.hf if baseline == "hf" else self.vllm
+        return paired_ratio(
+            [
+                (getattr(a, figure), getattr(b, figure) if b is not None else math.nan)
+                for a, b in zip(self.ours, other, strict=True)
+            ]
+        )
+
+
+async def _phased(
+    model: Path,
+    ids: list[int],
+    requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    pairs: int,
+    threads: int,
+) -> _Phased:
+    """The engine (A) and its baselines (B: transformers batched, then vLLM) in ``pairs``
+    alternating pairs of prefill-only and full batches, every pair on new prompts (the same
+    for every system in the pair); every system loaded and warmed up before the first."""
+    cfg = read_config(model)
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    context = prompt_len + max_tokens + 16  # a block of slack per request
+    kv_bytes = requests * context * kv_per_token
+    warm = phase_prompts(ids, requests, prompt_len, "warm-up")
+    ours = _Ours(
+        model,
+        warm,
+        max_tokens,
+        batch_invariant=False,
+        threads=threads,
+        kv_cache_mb=max(256, math.ceil(1.25 * kv_bytes / 2**20)),
+    )
+    async with ours:
+        hf = _HF(model, warm, max_tokens)
+        llm = _VLLM.start(
+            model,
+            warm,
+            max_tokens,
+            threads=threads,
+            kv_gib=math.ceil(1.25 * kv_bytes / 2**30),
+            max_model_len=context,
+        )
+
+        def prompts(i: int, phase: str) -> list[list[int]]:
+            return phase_prompts(ids, requests, prompt_len, f"{i}-{phase}")
+
+        seen: list[Phases] = []
+
+        async def engine(i: int) -> Phases:
+            seen.append(await ours.phases(i, prompts(i, "pre"), prompts(i, "full")))
+            return seen[-1]
+
+        async def baselines(i: int) -> tuple[Phases, Phases | None]:
+            pre, full = prompts(i, "pre"), prompts(i, "full")
+            h = hf.phases(i, pre, full)
+            v = llm.phases(i, pre, full) if llm is not None else None
+            nan = math.nan
+            _log(
+                f"pair {i + 1}/{pairs} (prefill / decode tokens/s): built-in engine "
+                f"{seen[-1].prefill_tokens_per_s:.1f} / {seen[-1].decode_tokens_per_s:.1f}, "
+                f"transformers batched {h.prefill_tokens_per_s:.1f} / "
+                f"{h.decode_tokens_per_s:.1f}, vllm "
+                f"{v.prefill_tokens_per_s if v else nan:.1f} / "
+                f"{v.decode_tokens_per_s if v else nan:.1f}"
+            )
+            return h, v
+
+        measured = await alternate_async(engine, baselines, pairs)
+    return _Phased(
+        ours=[a for a, _ in measured],
+        hf=[h for _, (h, _) in measured],
+        vllm=[v for _, (_, v) in measured],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Roofline:
+    """The decode floor and the rates it was computed from, measured in this run."""
+
+    costs: StepCosts
+    floor: Floor
+    read_bytes_per_s: float
+    fp32_flops: float
+    bf16_flops: float
+
+
+def _roofline(model: Path, batch: int) -> _Roofline:
+    """Read bandwidth and peak fp32/bf16 gemm rates on the current torch threads, and the
+    fp32 decode floor of ``model`` at ``batch`` rows from them."""
+    bandwidth = read_bandwidth()
+    fp32, bf16 = peak_flops(torch.float32), peak_flops(torch.bfloat16)
+    costs = step_costs(read_config(model), batch, "float32")
+    return _Roofline(costs, decode_floor(costs, batch, bandwidth, fp32), bandwidth, fp32, bf16)
+
+
+def phase_fields(ph: _Phased, roof: _Roofline) -> dict[str, Any]:
+    """The result line's prefill/decode and roofline keys (see ``main_engine``)."""
+    decode = _Phased.median(ph.ours, "decode_tokens_per_s")
+    vs_vllm = ph.ratio("decode_tokens_per_s", "vllm")
+    return {
+        "prefill_tokens_per_s": f"{_Phased.median(ph.ours, 'prefill_tokens_per_s'):.1f}",
+        "decode_tokens_per_s": f"{decode:.1f}",
+        "hf_batch_prefill_tokens_per_s": f"{_Phased.median(ph.hf, 'prefill_tokens_per_s'):.1f}",
+        "hf_batch_decode_tokens_per_s": f"{_Phased.median(ph.hf, 'decode_tokens_per_s'):.1f}",
+        "vllm_prefill_tokens_per_s": f"{_Phased.median(ph.vllm, 'prefill_tokens_per_s'):.1f}",
+        "vllm_decode_tokens_per_s": f"{_Phased.median(ph.vllm, 'decode_tokens_per_s'):.1f}",
+        "decode_ratio_vs_hf_batch": f"{ph.ratio('decode_tokens_per_s', 'hf').ratio:.2f}",
+        "decode_ratio_vs_vllm": f"{vs_vllm.ratio:.2f}",
+        "decode_ratio_vs_vllm_min": f"{vs_vllm.ratio_min:.2f}",
+        "decode_ratio_vs_vllm_max": f"{vs_vllm.ratio_max:.2f}",
+        "floor_tokens_per_s": f"{roof.floor.tokens_per_s:.1f}",
+        "bound": roof.floor.bound,
+        "floor_fraction": f"{decode / roof.floor.tokens_per_s:.3f}",
+        "weight_mb": f"{roof.costs.weight_bytes / 1e6:.1f}",
+        "read_gbps": f"{roof.read_bytes_per_s / 1e9:.2f}",
+        "peak_gflops": f"{roof.fp32_flops / 1e9:.1f}",
+        "peak_bf16_gflops": f"{roof.bf16_flops / 1e9:.1f}",
+    }
+
+
+def _line(fields: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def default_threads(cfg: DecoderConfig) -> int:
+    """The engine's own choice (``EngineConfig.num_threads=None``): one thread for models up
+    to 1024 wide on the CPU, torch's default otherwise."""
+    return 1 if cfg.hidden_size <= 1024 else torch.get_num_threads()
+
+
+def _valid_ids(model: Path) -> list[int]:
+    """Prompt ids: the tokenizer's ordinary tokens (a shape's vocabulary may be larger)."""
+    from agentroll.model.tokenizer import SPECIAL_TOKENS, TAG_TOKENS
+
+    tok = json.loads((model / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    special = set(SPECIAL_TOKENS) | set(TAG_TOKENS)
+    return sorted(i for t, i in vocab.items() if t not in special)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,12 +576,18 @@ class _Paired:
     prefix_hit_rate: float
 
 
-async def _paired(model: Path, prompts: list[list[int]], max_tokens: int, pairs: int) -> _Paired:
+async def _paired(
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    pairs: int,
+    threads: int | None = None,
+) -> _Paired:
     """The engine (A) and its baselines (B: transformers batched, then vLLM when installed)
     in ``pairs`` alternating pairs, every system loaded and warmed up before the first."""
-    async with _Ours(model, prompts, max_tokens, batch_invariant=False) as ours:
+    async with _Ours(model, prompts, max_tokens, batch_invariant=False, threads=threads) as ours:
         hf = _HF(model, prompts, max_tokens)
-        llm = _VLLM.start(model, prompts, max_tokens)
+        llm = _VLLM.start(model, prompts, max_tokens, threads=threads)
 
         seen: list[float] = []  # the engine's rates, for the progress line
 
@@ -323,63 +620,137 @@ def main_engine(
     concurrency: int,
     max_tokens: int,
     model_dir: str | None = None,
-    threads: int = 1,
+    threads: int | None = None,
     pairs: int = DEFAULT_PAIRS,
+    shape: str = "tiny",
+    prompt_len: int = DEFAULT_PROMPT_LEN,
 ) -> None:
     """Run the bench and print progress lines, then one ``key=value`` result line.
 
     Every system generates exactly ``max_tokens`` tokens per request (end-of-sequence
-    ignored), so tokens/s compare like with like.  ``tokens_per_s``, ``hf_batch_tokens_per_s``
-    and ``vllm_tokens_per_s`` (``nan`` without vLLM, and then ``ratio_vs_vllm`` too) are each
-    side's median over the pairs, every system loaded and warmed up before the first pair.
-    Unpaired, as no ratio is taken of them: the engine in the batch-invariant mode the parity
-    checks run in and with its C++ CPU kernels off (``torch_ops_tokens_per_s``;
-    ``cpu_kernels=0`` says they could not be built here, and then every engine figure is on
-    torch ops), medians of ``REPEATS`` runs; ``transformers`` one request at a time with a
-    KV cache, one pass.  ``matmul_floor_tokens_per_s`` is an upper bound: the tokens/s of a
-    decode step that did nothing but the model's matrix products (every linear layer and
-    the LM head on ``concurrency`` rows, in fp32 on the same threads, each the fastest of
-    torch on either weight layout and the engine kernels' blocked products, with the
-    weights warm in cache); no engine running this model in fp32 here can exceed it, and
-    ``floor_ratio_vs_hf_batch`` is the most any could gain over ``transformers`` batched.
+    ignored), so tokens/s compare like with like, on ``threads`` torch threads (vLLM's
+    OpenMP threads pinned to as many cores; default: the engine's own choice).
+
+    ``--shape tiny`` (the default) keeps the tiny model's figures: ``tokens_per_s``,
+    ``hf_batch_tokens_per_s`` and ``vllm_tokens_per_s`` (``nan`` without vLLM, and then
+    ``ratio_vs_vllm`` too) are each side's median over the pairs on short chat prompts
+    repeated batch after batch (prefix cache warm), every system loaded and warmed up before
+    the first pair.  Unpaired, as no ratio is taken of them: the engine in the
+    batch-invariant mode the parity checks run in and with its C++ CPU kernels off
+    (``torch_ops_tokens_per_s``; ``cpu_kernels=0`` says they could not be built here, and
+    then every engine figure is on torch ops), medians of ``REPEATS`` runs; ``transformers``
+    one request at a time with a KV cache, one pass.  ``matmul_floor_tokens_per_s``: the
+    tokens/s of a step doing nothing but the model's matrix products, weights warm in cache.
+
+    Every shape then runs the prefill/decode pairs: per pair, new random prompts of
+    ``prompt_len`` valid token ids; each system times a prefill-only batch (``max_tokens=1``:
+    ``prefill_tokens_per_s`` = prompt tokens / its time) and a full batch on other prompts of
+    the same size (``decode_tokens_per_s`` = the tokens after each request's first / (full
+    time - prefill-only time)).  For real shapes ``tokens_per_s`` and the ``ratio_vs_*`` keys
+    come from the full batches (generated tokens / wall time, prefill included).  The floor,
+    measured in the same run on the same threads after the systems are freed:
+    ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *
+    concurrency / peak_gflops)`` (fp32 weights read once, the LM head included, the
+    embedding gather and attention excluded), ``bound`` the side that sets it, and
+    ``floor_fraction`` = ``decode_tokens_per_s / floor_tokens_per_s``.
     """
-    # every system runs with the same torch thread count (the engine would pick 1 itself
-    # for this model size; transformers gets the same, so the comparison is like for like)
+    model = (
+        ensure_tiny_model(model_dir)
+        if shape == "tiny"
+        else Path(model_dir)
+        if model_dir
+        else ensure_shape_model(shape, progress=_log)
+    )
+    cfg = read_config(model)
+    threads = threads or default_threads(cfg)
     torch.set_num_threads(threads)
-    model = ensure_tiny_model(model_dir)
     from agentroll.chat import ChatTokenizer
     from agentroll.engine import kernels
 
-    prompts = sample_prompts(ChatTokenizer.from_pretrained(model), concurrency)
+    ids = _valid_ids(model)
     _log(
-        f"model={model} requests={concurrency} max_tokens={max_tokens} torch_threads={threads} "
-        f"pairs={pairs}"
+        f"shape={shape} model={model} params={num_params(cfg)} requests={concurrency} "
+        f"prompt_len={prompt_len} max_tokens={max_tokens} torch_threads={threads} pairs={pairs}"
     )
-    p = asyncio.run(_paired(model, prompts, max_tokens, pairs))
-    _log(f"built-in engine (default mode): {p.ours:.1f} tokens/s")
-    _log(f"transformers batched: {p.hf_batch:.1f} tokens/s; vllm: {p.vllm:.1f} tokens/s")
-    gc.collect()  # the paired systems' models and caches go before the next ones load
-    invariant = asyncio.run(_ours(model, prompts, max_tokens, batch_invariant=True))
-    _log(f"built-in engine (batch-invariant mode): {invariant:.1f} tokens/s")
-    have_kernels = kernels.get() is not None
-    torch_ops = asyncio.run(_ours(model, prompts, max_tokens, False, cpu_kernels=False))
-    _log(f"built-in engine on plain torch ops (no C++ kernels): {torch_ops:.1f} tokens/s")
-    hf_seq = _HF(model, prompts, max_tokens).rate(batched=False)  # one pass: slow and steady
-    _log(f"transformers one at a time: {hf_seq:.1f} tokens/s")
-    floor = _matmul_floor(model, concurrency)
-    _log(f"the model's matmuls alone (an upper bound for any engine): {floor:.1f} tokens/s")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    r = p.vs_hf_batch
-    print(
-        f"tokens_per_s={p.ours:.1f} hf_seq_tokens_per_s={hf_seq:.1f} "
-        f"hf_batch_tokens_per_s={p.hf_batch:.1f} ratio_vs_hf_batch={r.ratio:.2f} "
-        f"vllm_tokens_per_s={p.vllm:.1f} ratio_vs_vllm={p.vs_vllm.ratio:.2f} "
-        f"batch_invariant_tokens_per_s={invariant:.1f} torch_ops_tokens_per_s={torch_ops:.1f} "
-        f"cpu_kernels={int(have_kernels)} prefix_hit_rate={p.prefix_hit_rate:.3f} "
-        f"peak_rss_mb={rss:.1f} matmul_floor_tokens_per_s={floor:.1f} "
-        f"floor_ratio_vs_hf_batch={floor / p.hf_batch:.2f} pairs={r.pairs} "
-        f"ratio_min={r.ratio_min:.2f} ratio_max={r.ratio_max:.2f}"
+    fields: dict[str, Any] = {}
+    if shape == "tiny":
+        prompts = sample_prompts(ChatTokenizer.from_pretrained(model), concurrency)
+        p = asyncio.run(_paired(model, prompts, max_tokens, pairs, threads))
+        _log(f"built-in engine (default mode): {p.ours:.1f} tokens/s")
+        _log(f"transformers batched: {p.hf_batch:.1f} tokens/s; vllm: {p.vllm:.1f} tokens/s")
+        gc.collect()  # the paired systems' models and caches go before the next ones load
+        invariant = asyncio.run(_ours(model, prompts, max_tokens, True, True, threads))
+        _log(f"built-in engine (batch-invariant mode): {invariant:.1f} tokens/s")
+        have_kernels = kernels.get() is not None
+        torch_ops = asyncio.run(_ours(model, prompts, max_tokens, False, False, threads))
+        _log(f"built-in engine on plain torch ops (no C++ kernels): {torch_ops:.1f} tokens/s")
+        hf_seq = _HF(model, prompts, max_tokens).rate(batched=False)  # one pass: slow, steady
+        _log(f"transformers one at a time: {hf_seq:.1f} tokens/s")
+        floor = _matmul_floor(model, concurrency)
+        _log(f"the model's matmuls alone (an upper bound for any engine): {floor:.1f} tokens/s")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        r = p.vs_hf_batch
+        fields = {
+            "tokens_per_s": f"{p.ours:.1f}",
+            "hf_seq_tokens_per_s": f"{hf_seq:.1f}",
+            "hf_batch_tokens_per_s": f"{p.hf_batch:.1f}",
+            "ratio_vs_hf_batch": f"{r.ratio:.2f}",
+            "vllm_tokens_per_s": f"{p.vllm:.1f}",
+            "ratio_vs_vllm": f"{p.vs_vllm.ratio:.2f}",
+            "batch_invariant_tokens_per_s": f"{invariant:.1f}",
+            "torch_ops_tokens_per_s": f"{torch_ops:.1f}",
+            "cpu_kernels": int(have_kernels),
+            "prefix_hit_rate": f"{p.prefix_hit_rate:.3f}",
+            "peak_rss_mb": f"{rss:.1f}",
+            "matmul_floor_tokens_per_s": f"{floor:.1f}",
+            "floor_ratio_vs_hf_batch": f"{floor / p.hf_batch:.2f}",
+            "pairs": r.pairs,
+            "ratio_min": f"{r.ratio_min:.2f}",
+            "ratio_max": f"{r.ratio_max:.2f}",
+            "ratio_vs_vllm_min": f"{p.vs_vllm.ratio_min:.2f}",
+            "ratio_vs_vllm_max": f"{p.vs_vllm.ratio_max:.2f}",
+        }
+        gc.collect()
+    ph = asyncio.run(_phased(model, ids, concurrency, prompt_len, max_tokens, pairs, threads))
+    if shape != "tiny":
+        vs_hf, vs_vllm = ph.ratio("tokens_per_s", "hf"), ph.ratio("tokens_per_s", "vllm")
+        fields = {
+            "tokens_per_s": f"{_Phased.median(ph.ours, 'tokens_per_s'):.1f}",
+            "hf_batch_tokens_per_s": f"{_Phased.median(ph.hf, 'tokens_per_s'):.1f}",
+            "ratio_vs_hf_batch": f"{vs_hf.ratio:.2f}",
+            "vllm_tokens_per_s": f"{_Phased.median(ph.vllm, 'tokens_per_s'):.1f}",
+            "ratio_vs_vllm": f"{vs_vllm.ratio:.2f}",
+            "cpu_kernels": int(kernels.get() is not None),
+            "peak_rss_mb": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}",
+            "pairs": vs_hf.pairs,
+            "ratio_min": f"{vs_hf.ratio_min:.2f}",
+            "ratio_max": f"{vs_hf.ratio_max:.2f}",
+            "ratio_vs_vllm_min": f"{vs_vllm.ratio_min:.2f}",
+            "ratio_vs_vllm_max": f"{vs_vllm.ratio_max:.2f}",
+        }
+    gc.collect()  # the systems are gone with _phased: their memory, before the floor's buffer
+    _log("measuring the roofline: read bandwidth (1 GiB, best of 5), fp32 and bf16 gemm")
+    roof = _roofline(model, concurrency)
+    _log(
+        f"floor {roof.floor.tokens_per_s:.1f} tokens/s ({roof.floor.bound}-bound: weights "
+        f"{roof.floor.memory_s * 1e3:.2f} ms, matmuls {roof.floor.compute_s * 1e3:.2f} ms a step)"
     )
+    fields |= {
+        "shape": shape,
+        "params": num_params(cfg),
+        "threads": threads,
+        "concurrency": concurrency,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        **phase_fields(ph, roof),
+    }
+    print(_line(fields))
+
+
+def row_name(args: argparse.Namespace) -> str:
+    """The results-table row of a run: ``engine`` for the tiny shape, ``engine:SHAPE``
+    otherwise, so each shape keeps its own current row."""
+    return "engine" if args.shape == "tiny" else f"engine:{args.shape}"
 
 
 # -- command line --------------------------------------------------------------------------
@@ -392,8 +763,10 @@ class EngineBenchConfig:
     concurrency: int
     max_tokens: int
     model: str | None
-    threads: int
+    threads: int | None  # None: the engine's own choice for the model
     pairs: int = DEFAULT_PAIRS
+    shape: str = "tiny"
+    prompt_len: int = DEFAULT_PROMPT_LEN
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_tokens < 1:
@@ -401,8 +774,11 @@ class EngineBenchConfig:
                 f"--concurrency and --max-tokens must be >= 1 (got {self.concurrency} and "
                 f"{self.max_tokens}); pass positive counts"
             )
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be >= 1 (got {self.threads})")
+        if self.prompt_len < 1:
+            raise ConfigError(f"--prompt-len must be >= 1 (got {self.prompt_len})")
+        get_shape(self.shape)
         check_pairs(self.pairs)
 
 
@@ -410,10 +786,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
-        "--model", default=None, help="checkpoint dir (default: the tiny model, created if missing)"
+        "--model", default=None, help="checkpoint dir (default: the --shape's, created if missing)"
     )
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads for every system measured"
+        "--shape",
+        default="tiny",
+        choices=sorted(SHAPES),
+        help="model shape: seeded random weights, created once and cached (default: tiny)",
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=DEFAULT_PROMPT_LEN,
+        help="prompt tokens per request of the prefill/decode pairs",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for every system measured, vLLM's pinned too (default: the engine's "
+        "choice: 1 up to 1024 wide, torch's default above)",
     )
     parser.add_argument(
         "--pairs",
@@ -426,7 +818,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """CLI entry: run the bench (progress lines first) and print its result line."""
     config = EngineBenchConfig(
-        args.concurrency, args.max_tokens, args.model, args.threads, args.pairs
+        args.concurrency,
+        args.max_tokens,
+        args.model,
+        args.threads,
+        args.pairs,
+        args.shape,
+        args.prompt_len,
     )
-    main_engine(config.concurrency, config.max_tokens, config.model, config.threads, config.pairs)
+    main_engine(
+        config.concurrency,
+        config.max_tokens,
+        config.model,
+        config.threads,
+        config.pairs,
+        config.shape,
+        config.prompt_len,
+    )
     return 0

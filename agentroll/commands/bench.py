@@ -3,7 +3,7 @@
 The benchmark's module is imported only when it runs (or its ``--help`` is asked for).  With
 ``--record FILE`` the result line (the last ``key=value`` line on stdout) also becomes that
 benchmark's row in the markdown table in FILE; a benchmark module with ``ROW_KEY`` gets a
-row per line, named ``bench:<its ROW_KEY value>``.
+row per line, named ``bench:<its ROW_KEY value>``, one with ``row_name(args)`` the row it names.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def main(args: argparse.Namespace) -> int:
         lines = {f"{args.bench}:{k}": v for k, v in result_lines(tee.getvalue(), key).items()}
     else:
         line = result_line(tee.getvalue())
-        lines = {args.bench: line} if line is not None else {}
+        # a benchmark whose options pick what it measures (bench engine --shape) names its row
+        name = module.row_name(args) if hasattr(module, "row_name") else args.bench
+        lines = {name: line} if line is not None else {}
     if not lines:
         raise AgentrollError(
             f"bench {args.bench} printed no key=value result line; nothing was recorded in "

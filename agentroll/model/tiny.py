@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,8 +23,14 @@ HEAD_DIM = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def random_weights(cfg: DecoderConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded fp32 weights for ``cfg`` under checkpoint names (same seed, same values).
+def random_weights(
+    cfg: DecoderConfig,
+    *,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Seeded fp32 weights for ``cfg`` under checkpoint names (same seed, same values);
+    ``progress(done, count)`` is called after each tensor when given.
 
     Projections into a layer have std 1/sqrt(fan_in); projections back into the residual
     stream are further divided by sqrt(2 * layers); biases and norm gains are perturbed so a
@@ -32,7 +39,8 @@ def random_weights(cfg: DecoderConfig, *, seed: int = 0) -> dict[str, torch.Tens
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     depth = math.sqrt(2 * cfg.num_layers)
-    for name, shape in sorted(weight_shapes(cfg).items()):
+    shapes = sorted(weight_shapes(cfg).items())
+    for done, (name, shape) in enumerate(shapes, 1):
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
             tensor = 1.0 + 0.1 * noise
@@ -47,6 +55,8 @@ def random_weights(cfg: DecoderConfig, *, seed: int = 0) -> dict[str, torch.Tens
         else:
             tensor = noise / math.sqrt(shape[1])
         out[name] = tensor.contiguous()
+        if progress is not None:
+            progress(done, len(shapes))
     return out
 
 

@@ -115,7 +115,7 @@ async def test_engine_and_baselines_alternate_and_the_ratio_is_per_pair(
 
     monkeypatch.setattr(bench_engine, "_Ours", Ours)
     monkeypatch.setattr(bench_engine, "_HF", HF)
-    monkeypatch.setattr(bench_engine._VLLM, "start", staticmethod(lambda *a: None))
+    monkeypatch.setattr(bench_engine._VLLM, "start", staticmethod(lambda *a, **k: None))
     p = await bench_engine._paired(tmp_path, [[1, 2]], 4, 5)
     pairs = [f"{side} {i}" for i in range(5) for side in ("ours", "hf")]
     assert calls == ["load ours", "load hf", *pairs, "close ours"]
