@@ -28,7 +28,7 @@ from agentroll.gateway.config import GatewayConfig
 from agentroll.types import Status, Task, Trajectory, unicode_safe
 
 _T = TypeVar("_T")
-SUPPORTED = ">=0.3,<0.5"  # the [verifiers] extra; the classic (``vf.Environment``) API
+SUPPORTED = ">=0.3,<0.4"  # the [verifiers] extra; the classic (``vf.Environment``) API
 
 # Where the reward-function failures of the scoring in progress are collected.  verifiers'
 # Rubric logs a raising reward function and scores it 0, which would train on a made-up
