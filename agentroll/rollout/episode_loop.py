@@ -645,7 +645,10 @@ class EpisodeLoop:
 
 async def _end_shielded(env: Environment, state: EpisodeState) -> None:
     """``env.end_episode(state)`` to completion even if the episode is being cancelled; its
-    failure is logged (the episode's outcome is already decided)."""
+    failure is logged (the episode's outcome is already decided).  An environment that does
+    not override the hook costs nothing here (no task per episode)."""
+    if type(env).end_episode is Environment.end_episode:
+        return
     await run_shielded(call_hook(env.end_episode, state), f"{type(env).__name__}.end_episode")
 
 
