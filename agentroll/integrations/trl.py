@@ -284,21 +284,24 @@ class AgentrollRollout:
         step = int(trainer.state.global_step)
         if self._synced_step == step:
             return
+        # the trainer's digest is the one of the exporter's snapshot, taken from the live
+        # weights at this call (export() checksums every tensor anyway: not hashed twice)
         update: WeightUpdate | None
         if self._exporter is None:
             self._served = set(self._loop.run(self._backend_state_names()))
             exporter = WeightExporter(lambda: self._trainer_state(trainer))
             exporter.version = self.backend.policy_version
             self._exporter = exporter
-            same = exporter.full().digest == self._loop.run(self._backend_digest())
+            trainer_digest = model_digest(state_checksums(exporter.base))
+            backend_digest = self._loop.run(self._backend_digest())
             # the first push is a full update unless the backend loaded the same bytes
-            update = None if same else exporter.full()
+            update = None if backend_digest == trainer_digest else exporter.full()
         else:
             update = self._exporter.export()
+            trainer_digest = update.digest
         if update is not None:
             self._loop.run(self._apply(update), timeout=self.timeout)
-        trainer_digest = model_digest(state_checksums(self._trainer_state(trainer)))
-        backend_digest = self._loop.run(self._backend_digest())
+            backend_digest = self._loop.run(self._backend_digest())
         if backend_digest != trainer_digest:
             raise WeightSyncError(
                 f"after the sync of step {step} the backend's weights digest {backend_digest} "

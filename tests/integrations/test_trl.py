@@ -238,3 +238,30 @@ def test_environment_factory_under_grpo_trainers_own_loop(tiny_model: Path, tmp_
     assert len(resets) == 8 and set(resets) <= {t.id for t in tasks}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all("rewards/calculator_reward/mean" in h for h in logs)
+
+
+def test_a_backend_on_other_weights_gets_a_full_update_first(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The backend loaded another checkpoint than the one TRL trains: the first sync finds
+    the digests differ, pushes a full update, and only then do they match."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from agentroll.model.tiny import create_tiny
+
+    other = create_tiny(tmp_path / "other", seed=7)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        model=model,
+    )
+    env = load_environment("calculator", num_tasks=1, seed=0)
+    with AgentrollRollout(env, str(other)) as rollout:
+        rollout._sync(trainer)
+        rollout._sync(trainer)  # once per trainer step: nothing more to do
+    [sync] = rollout.syncs
+    assert sync.kind == "full" and sync.payload_bytes > 0
+    assert sync.trainer_digest == sync.backend_digest
