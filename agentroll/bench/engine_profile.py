@@ -1,10 +1,11 @@
 """``agentroll bench engine-profile``: where one decode step of the built-in engine goes.
 
 Times decode steps of ``LLMEngine`` at a shape (every request past its prefill): the whole
-step, the model's forward inside it, and the sampler; then each product of the forward alone
-on the engine's own fused, transposed weights at the same rows (QKV, o-proj, gate/up, down,
-the LM head).  The forward's rest is attention, norms, RoPE and activations; the step's rest
-beyond forward and sampler is the scheduler and Python.  Medians over the timed steps.
+step, the model's forward inside it, and the sampler (medians), and with the C++ kernels the
+regions of ``decoder_forward`` timed inside the steps (means: products, attention, norms,
+RoPE, activation, LM head).  On torch ops each product is timed alone instead, in the step's
+order over every layer's weights.  The step's rest beyond forward and sampler is the
+scheduler and Python.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
     step_s: list[float] = []
     forward_s: list[float] = []
     sample_s: list[float] = []
+    ext = eng.runner.kernels
+    regions: list[str] = list(ext.decoder_regions()) if ext is not None else []
+    eng.runner.step_timings = torch.zeros(len(regions), dtype=torch.float64)
     runner_forward, sampler = eng.runner.forward, engine_mod.sample
     eng.runner.forward = _timed(runner_forward, forward_s)  # type: ignore[method-assign]
     engine_mod.sample = _timed(sampler, sample_s)
@@ -97,23 +101,23 @@ def main(args: argparse.Namespace) -> int:
     finally:
         eng.runner.forward = runner_forward  # type: ignore[method-assign]
         engine_mod.sample = sampler
+        timings, eng.runner.step_timings = eng.runner.step_timings, torch.empty(0)
     ms = {k: statistics.median(v) * 1e3 for k, v in
           (("step", step_s), ("forward", forward_s), ("sample", sample_s))}  # fmt: skip
-    weights = eng.runner._fused_weights()
-    ext = eng.runner.kernels
-
-    def linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-        return ext.linear(x, wt, None, 0) if ext is not None else torch.mm(x, wt)
-
-    # decoder_forward's order: embed, norm, head^T, then 10 tensors per layer (1: qkv^T,
-    # 5: o^T, 8: gate_up^T, 9: down^T)
-    products = [
-        (kind, weights[3 + 10 * i + j])
-        for i in range(cfg.num_layers)
-        for kind, j in (("qkv", 1), ("o_proj", 5), ("gate_up", 8), ("down", 9))
-    ]
-    parts = _products_ms([*products, ("lm_head", weights[2])], n, linear)
-    rest = ms["forward"] - sum(parts.values())
+    if regions:  # timed inside decoder_forward: means over the steps
+        parts = {name: float(t) * 1e3 / steps for name, t in zip(regions, timings, strict=True)}
+        rest_name, rest = "forward_rest_ms", ms["forward"] - sum(parts.values())
+    else:  # torch ops: each product alone, in the step's order, over every layer's weights
+        weights = eng.runner._fused_weights()
+        # decoder_forward's order: embed, norm, head^T, then 10 tensors per layer (1: qkv^T,
+        # 5: o^T, 8: gate_up^T, 9: down^T)
+        products = [
+            (kind, weights[3 + 10 * i + j])
+            for i in range(cfg.num_layers)
+            for kind, j in (("qkv", 1), ("o_proj", 5), ("gate_up", 8), ("down", 9))
+        ]
+        parts = _products_ms([*products, ("lm_head", weights[2])], n, torch.mm)
+        rest_name, rest = "attention_norms_rest_ms", ms["forward"] - sum(parts.values())
     overhead = ms["step"] - ms["forward"] - ms["sample"]
     fields = {
         "shape": args.shape,
@@ -122,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         "step_ms": f"{ms['step']:.2f}",
         "forward_ms": f"{ms['forward']:.2f}",
         **{f"{k}_ms": f"{v:.2f}" for k, v in parts.items()},
-        "attention_norms_rest_ms": f"{rest:.2f}",
+        rest_name: f"{rest:.2f}",
         "sample_ms": f"{ms['sample']:.2f}",
         "scheduler_python_ms": f"{overhead:.2f}",
         "decode_tokens_per_s": f"{n / (ms['step'] / 1e3):.1f}",

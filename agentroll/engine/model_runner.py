@@ -2,15 +2,17 @@
 ``ops``, the only code of the engine that touches torch kernels.
 
 Invariants: K/V of position p live in block ``block_table[p // block_size]`` at slot
-``p % block_size``; logits are fp32; the fused transposed weight copies are rebuilt when a
+``p % block_size``; logits are fp32; the fused packed weight copies are rebuilt when a
 weight changed (``weights_changed``, and the tensors' version counters at every step).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +29,31 @@ from agentroll.errors import ConfigError
 
 INVARIANT_TILE = 32  # rows per matmul in batch-invariant mode (fp32 MKL differs for M=1, 2-3, >=4)
 _ROPE_CHUNK = 1024  # RoPE tables are computed in fixed chunks so values never depend on history
-# With the CPU kernels, linear layers multiply by transposed contiguous copies of the weights
-# ([in, out], q/k/v and gate/up side by side): the kernels' brgemm products need that layout
-# (2-2.5x MKL's sgemm on 32 rows here, see csrc/cpu_kernels.cpp).  The copies double the
-# weights' memory, so only up to this size; bigger models run torch's products.
-_TRANSPOSED_MAX_BYTES = 1 << 30
+
+
+# With the CPU kernels, linear layers multiply by packed copies of the weights (panels of
+# PACK_COLS columns of [in, out], q/k/v and gate/up side by side): a decode step streams each
+# panel in one sequential run (csrc/cpu_kernels.cpp, gemm_packed).  The copies double the
+# weights' memory, so they are made up to a quarter of the machine's memory (or
+# AGENTROLL_PACKED_MAX_MB); bigger models run torch's products.
+def packed_max_bytes() -> int:
+    """The largest model (bytes of weights) that gets packed copies."""
+    env = os.environ.get("AGENTROLL_PACKED_MAX_MB")
+    if env is not None:
+        try:
+            return int(float(env) * 2**20)
+        except ValueError:
+            raise ConfigError(
+                f"AGENTROLL_PACKED_MAX_MB={env!r} is not a number of MiB; unset it or give "
+                "one (0 turns the packed copies off)"
+            ) from None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+PACK_COLS = 32  # the kernels' kPackCols: packed weights are panels of this many columns
 # Outside the batch-invariant mode a step runs in decoder_forward when its prefill chunks are
 # short: their rows attend row by row there, about 11 ns a key per row here, against SDPA's
 # matrix products on the layer-by-layer path.  A step of 31 decodes and a 40-token chunk at
@@ -117,6 +139,22 @@ def _output(
     return out
 
 
+def _packed_views(fused: Tensor, weights: list[Tensor], pack: Any) -> dict[int, tuple[Tensor, int]]:
+    """Each of ``weights`` (side by side, in order, in the packed ``fused``) as a packed weight:
+    a slice of ``fused`` where its columns are whole panels (it starts on a panel boundary and
+    ends on one or at the end), else packed on its own."""
+    k, total = weights[0].shape[1], sum(w.shape[0] for w in weights)
+    views, col = {}, 0
+    for weight in weights:
+        n = weight.shape[0]
+        if col % PACK_COLS == 0 and ((col + n) % PACK_COLS == 0 or col + n == total):
+            views[id(weight)] = (fused[col * k : (col + n) * k], n)
+        else:
+            views[id(weight)] = (pack(weight.detach().t()), n)
+        col += n
+    return views
+
+
 class ModelRunner:
     """A decoder plus its paged KV cache; ``forward`` runs one continuous-batching step.
 
@@ -127,10 +165,10 @@ class ModelRunner:
     cached and a block table of ints.  For fp32 on the CPU it uses the engine's C++ kernels
     (``kernels.py``): a step of decodes and short prefill chunks, and every step in the
     batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in C++,
-    over fused QKV and gate/up weights transposed once, products by oneDNN's brgemm
+    over fused QKV and gate/up weights packed once, products by oneDNN's brgemm
     micro-kernels); steps with long prefills run the model layer by layer with the kernels'
     norms, SiLU, RoPE, K/V writes, paged attention and products on views of the same
-    transposed copies, and SDPA for the prefills.  Everywhere else (other dtypes, CUDA, no
+    packed copies, and SDPA for the prefills.  Everywhere else (other dtypes, CUDA, no
     compiler) it runs torch ops.  With ``batch_invariant=True`` a token's logits and K/V
     depend only on its own sequence's tokens and cache (``decoder_forward`` by
     construction; on torch ops, ``ops._InvariantOps``).
@@ -177,14 +215,17 @@ class ModelRunner:
             else None
         )
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.transposed = self.kernels is not None and weight_bytes <= _TRANSPOSED_MAX_BYTES
+        self.packed = self.kernels is not None and weight_bytes <= packed_max_bytes()
         # decoder_forward's weights and the version counters they were built at, and
-        # id(weight) -> its transposed view into them (weight_t)
+        # id(weight) -> (its packed slice of them, its outputs) (weight_packed)
         self._fused: tuple[tuple[int, ...], list[Tensor]] | None = None
-        self._views: dict[int, Tensor] = {}
+        self._views: dict[int, tuple[Tensor, int]] = {}
         self._params = list(self.model.parameters())
         self._released: dict[str, tuple[int, ...]] | None = None  # shapes while released
         self._range = torch.arange(64, device=self.device)
+        # set to float64 [len(kernels.decoder_regions())] to have decoder_forward add each
+        # region's seconds to it (bench engine-profile); empty: no clock reads
+        self.step_timings = torch.empty(0, dtype=torch.float64)
 
     @property
     def block_bytes(self) -> int:
@@ -276,9 +317,9 @@ class ModelRunner:
         out = ForwardOutput()
         if not items:
             return out
-        # rebuilt if a weight changed; weight_t (the layer-by-layer path) reads its views
-        weights = self._fused_weights() if self.transposed else None
-        plan = self._decode_plan(items) if self.transposed else None
+        # rebuilt if a weight changed; weight_packed (the layer-by-layer path) reads its views
+        weights = self._fused_weights() if self.packed else None
+        plan = self._decode_plan(items) if self.packed else None
         if plan is None:
             plan = self._plan(items)
         if weights is not None and (
@@ -343,6 +384,7 @@ class ModelRunner:
             cfg.rms_norm_eps,
             self.scale,
             self.invariant_tile if self.batch_invariant else 0,
+            self.step_timings,
         )
         if spans is None:  # the common decode step: row i is item i's
             return ForwardOutput(logits=logits, last_rows={i: i for i in range(n)})
@@ -356,8 +398,8 @@ class ModelRunner:
 
     def _fused_weights(self) -> list[Tensor]:
         """The weights in ``decoder_forward``'s order, with q/k/v and gate/up fused and every
-        product's matrix transposed; rebuilt when a weight changed (version counters, or
-        :meth:`weights_changed`)."""
+        product's matrix packed (panels of its transpose); rebuilt when a weight changed
+        (version counters, or :meth:`weights_changed`)."""
         model = self.model
         versions = tuple(p._version for p in self._params)
         if self._fused is not None and self._fused[0] == versions:
@@ -369,17 +411,24 @@ class ModelRunner:
         def opt(name: str) -> Tensor:
             return named.get(name, none)
 
-        def cat_t(*names: str) -> Tensor:
-            return torch.cat([named[n] for n in names]).t().contiguous()
+        pack = self.kernels.pack_weight if self.kernels is not None else None
+        assert pack is not None  # fused weights come with the kernels
+
+        def cat_packed(*names: str) -> Tensor:
+            return pack(torch.cat([named[n] for n in names]).t())
+
+        def packed(weight: Tensor) -> Tensor:
+            return pack(weight.t())
 
         out = [
             named["model.embed_tokens.weight"],
             named["model.norm.weight"],
-            model.lm_head_weight.detach().t().contiguous(),
+            packed(model.lm_head_weight.detach()),
         ]
-        views = {id(model.lm_head_weight): out[2]}
+        views: dict[int, tuple[Tensor, int]] = {
+            id(model.lm_head_weight): (out[2], model.lm_head_weight.shape[0])
+        }
         cfg = self.config
-        q_cols, kv_cols = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
             attn, mlp = pre + "self_attn.", pre + "mlp."
@@ -387,28 +436,24 @@ class ModelRunner:
             first = len(out)
             out += [
                 named[pre + "input_layernorm.weight"],
-                cat_t(*(x + ".weight" for x in qkv)),
+                cat_packed(*(x + ".weight" for x in qkv)),
                 torch.cat([named[x + ".bias"] for x in qkv]) if qkv[0] + ".bias" in named else none,
                 opt(attn + "q_norm.weight"),
                 opt(attn + "k_norm.weight"),
-                named[attn + "o_proj.weight"].t().contiguous(),
+                packed(named[attn + "o_proj.weight"]),
                 opt(attn + "o_proj.bias"),
                 named[pre + "post_attention_layernorm.weight"],
-                cat_t(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                named[mlp + "down_proj.weight"].t().contiguous(),
+                cat_packed(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                packed(named[mlp + "down_proj.weight"]),
             ]
-            qkv_t, o_t, gate_up_t, down_t = (out[first + j] for j in (1, 5, 8, 9))
-            inter = gate_up_t.shape[1] // 2
-            for name, view in (
-                (qkv[0], qkv_t[:, :q_cols]),
-                (qkv[1], qkv_t[:, q_cols : q_cols + kv_cols]),
-                (qkv[2], qkv_t[:, q_cols + kv_cols :]),
-                (attn + "o_proj", o_t),
-                (mlp + "gate_proj", gate_up_t[:, :inter]),
-                (mlp + "up_proj", gate_up_t[:, inter:]),
-                (mlp + "down_proj", down_t),
+            for fused, names in (
+                (out[first + 1], qkv),
+                (out[first + 8], [mlp + "gate_proj", mlp + "up_proj"]),
             ):
-                views[id(params[name + ".weight"])] = view
+                views.update(_packed_views(fused, [params[n + ".weight"] for n in names], pack))
+            for j, name in ((5, attn + "o_proj"), (9, mlp + "down_proj")):
+                weight = params[name + ".weight"]
+                views[id(weight)] = (out[first + j], weight.shape[0])
         self._fused = (versions, out)
         self._views = views
         return out
@@ -561,9 +606,10 @@ class ModelRunner:
             self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))
             self.v_cache[layer].index_copy_(0, idx, v[layer].to(self.device))
 
-    def weight_t(self, weight: Tensor) -> Tensor:
-        """``weight.T`` as a view into the fused transposed copies of ``_fused_weights`` (its
-        columns of the fused QKV or gate/up matrix), current as of the last check there."""
+    def weight_packed(self, weight: Tensor) -> tuple[Tensor, int]:
+        """``weight`` packed (the kernels' ``pack_weight`` of ``weight.T``) and its number of
+        outputs: a slice of the fused packed copies of ``_fused_weights`` (its columns of the
+        fused QKV or gate/up matrix), current as of the last check there."""
         return self._views[id(weight)]
 
     def weights_changed(self) -> None:

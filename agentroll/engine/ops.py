@@ -80,10 +80,10 @@ class _FastOps:
                 self.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if self.runner.transposed and x.dim() == 2:
-            wt = self.runner.weight_t(weight)
-            assert self.kernels is not None  # transposed copies come with the kernels
-            return self.kernels.linear(x.contiguous(), wt, bias, 0)  # blocked brgemm products
+        if self.runner.packed and x.dim() == 2:
+            packed, n = self.runner.weight_packed(weight)
+            assert self.kernels is not None  # packed copies come with the kernels
+            return self.kernels.linear_packed(x.contiguous(), packed, n, bias, 0)
         return F.linear(x, weight, bias)
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:

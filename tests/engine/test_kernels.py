@@ -325,8 +325,10 @@ def test_decoder_forward_refuses_bad_indexes_before_writing(ext: ModuleType) -> 
             cfg.rms_norm_eps,
             runner.scale,
             0,
+            no_timings,
         )
 
+    no_timings = torch.empty(0, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="token id 5000"):
         call(torch.tensor([5000]), one, torch.tensor([1]))
     with pytest.raises(RuntimeError, match="slot 99"):
@@ -353,8 +355,30 @@ def test_decoder_forward_refuses_bad_indexes_before_writing(ext: ModuleType) -> 
             1e-6,
             0.125,
             0,
+            no_timings,
         )
     assert not runner.k_cache[0].any()
+
+
+def test_decoder_forward_times_its_regions_only_when_asked(ext: ModuleType) -> None:
+    from agentroll.engine.model_runner import ForwardItem, ModelRunner
+    from agentroll.model.tiny import ensure_tiny_model
+
+    runner = ModelRunner(ensure_tiny_model(), num_blocks=8, block_size=4)
+    plan = runner._plan([ForwardItem([1, 2, 3], 0, [0]), ForwardItem([2], 3, [1])])
+    plain = runner._forward_fused(plan, runner._fused_weights()).last_logits
+    regions = list(ext.decoder_regions())
+    assert regions[0] == "setup" and {"qkv", "attention", "gate_up", "lm_head"} <= set(regions)
+    runner.step_timings = torch.zeros(len(regions), dtype=torch.float64)
+    timed = runner._forward_fused(plan, runner._fused_weights()).last_logits
+    assert all(torch.equal(plain[i], timed[i]) for i in plain)  # the clock changes nothing
+    assert (runner.step_timings > 0).all() and float(runner.step_timings.sum()) < 10.0
+    before = runner.step_timings.clone()
+    runner._forward_fused(plan, runner._fused_weights())
+    assert (runner.step_timings > before).all()  # added to, not overwritten
+    runner.step_timings = torch.zeros(len(regions))  # float32: refused before any write
+    with pytest.raises(RuntimeError, match="timings must be empty or"):
+        runner._forward_fused(plan, runner._fused_weights())
 
 
 def test_linear_takes_a_column_slice_of_a_fused_weight(ext: ModuleType) -> None:
@@ -364,3 +388,49 @@ def test_linear_takes_a_column_slice_of_a_fused_weight(ext: ModuleType) -> None:
         assert torch.allclose(ext.linear(x, fused[:, cols], None, 0), x @ fused[:, cols], atol=1e-4)
     with pytest.raises(RuntimeError, match="contiguous rows"):
         ext.linear(x, fused.t().contiguous().t()[:, :10], None, 0)
+
+
+def test_packed_products_match_torch_on_any_width_and_slice(ext: ModuleType) -> None:
+    from agentroll.engine.model_runner import PACK_COLS, _packed_views
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, k, n in ((1, 64, 96), (9, 100, 70), (70, 33, 130)):  # ragged last panels
+        x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        for packed in (ext.pack_weight(w.t()), ext.pack_weight(w.t().contiguous())):
+            assert packed.shape == (k * n,)
+            got = ext.linear_packed(x, packed, n, bias, 0)
+            assert torch.allclose(got, x @ w.t() + bias, atol=1e-4)
+    # parts side by side: a part of whole panels is a slice of the fused weight, others a copy
+    x = torch.randn(5, 40, generator=gen)
+    for sizes, slices in (((64, 32, 20), (0, 64, 96)), ((20, 44, 32), (None, None, 64))):
+        parts = [torch.randn(n, 40, generator=gen) for n in sizes]
+        fused = ext.pack_weight(torch.cat(parts).t())
+        views = _packed_views(fused, parts, ext.pack_weight)
+        for part, col in zip(parts, slices, strict=True):
+            packed, n = views[id(part)]
+            assert n == part.shape[0]
+            assert torch.allclose(ext.linear_packed(x, packed, n, None, 0), x @ part.t(), atol=1e-4)
+            if col is None:
+                assert packed.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
+            else:
+                assert packed.data_ptr() == fused.data_ptr() + col * 40 * 4
+    with pytest.raises(RuntimeError, match="packed"):
+        ext.linear_packed(x, fused, 7, None, 0)  # the wrong number of columns
+    with pytest.raises(RuntimeError, match="multiple of tile"):
+        ext.linear_packed(x, ext.pack_weight(torch.randn(40, PACK_COLS)), PACK_COLS, None, 4)
+
+
+def test_packed_copies_follow_the_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentroll.engine.model_runner import ModelRunner, packed_max_bytes
+    from agentroll.errors import ConfigError
+    from agentroll.model.tiny import ensure_tiny_model
+
+    monkeypatch.setenv("AGENTROLL_PACKED_MAX_MB", "0")
+    assert packed_max_bytes() == 0
+    assert not ModelRunner(ensure_tiny_model(), num_blocks=8, block_size=4).packed
+    monkeypatch.setenv("AGENTROLL_PACKED_MAX_MB", "lots")
+    with pytest.raises(ConfigError, match="AGENTROLL_PACKED_MAX_MB"):
+        packed_max_bytes()
+    monkeypatch.delenv("AGENTROLL_PACKED_MAX_MB")
+    assert packed_max_bytes() >= 1 << 28

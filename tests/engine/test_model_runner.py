@@ -410,7 +410,7 @@ def test_the_vectorised_decode_plan_equals_the_general_one(tiny: Path) -> None:
     """``_decode_plan`` (decode-only steps, with the kernels) builds the same token ids,
     positions, slots and tables as ``_plan``, and gives way to it for anything else."""
     runner = ModelRunner(tiny, num_blocks=64, block_size=4)
-    if not runner.transposed:
+    if not runner.packed:
         pytest.skip("the decode plan is used with the CPU kernels only")
     rng = random.Random(3)
     for _ in range(50):
