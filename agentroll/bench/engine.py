@@ -43,7 +43,8 @@ from agentroll.bench.roofline import (
     read_bandwidth,
     step_costs,
 )
-from agentroll.engine.models.decoder import DecoderConfig, read_config
+from agentroll.engine.engine import default_threads
+from agentroll.engine.models.decoder import read_config
 from agentroll.errors import ConfigError
 from agentroll.model.shapes import SHAPES, ensure_shape_model, get_shape, num_params
 from agentroll.model.tiny import ensure_tiny_model
@@ -547,12 +548,6 @@ def _line(fields: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def default_threads(cfg: DecoderConfig) -> int:
-    """The engine's own choice (``EngineConfig.num_threads=None``): one thread for models up
-    to 1024 wide on the CPU, torch's default otherwise."""
-    return 1 if cfg.hidden_size <= 1024 else torch.get_num_threads()
-
-
 def _valid_ids(model: Path) -> list[int]:
     """Prompt ids: the tokenizer's ordinary tokens (a shape's vocabulary may be larger)."""
     from agentroll.model.tokenizer import SPECIAL_TOKENS, TAG_TOKENS
@@ -805,7 +800,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="threads for every system measured, vLLM's pinned too (default: the engine's "
-        "choice: 1 up to 1024 wide, torch's default above)",
+        "choice: 1 below 64 MiB of weights, every core above)",
     )
     parser.add_argument(
         "--pairs",

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from agentroll.backends.base import SamplingParams
-from agentroll.bench.engine import DEFAULT_PROMPT_LEN, _log, default_threads, phase_prompts
+from agentroll.bench.engine import DEFAULT_PROMPT_LEN, _log, phase_prompts
 from agentroll.bench.engine import _valid_ids as valid_ids
+from agentroll.engine.engine import default_threads
 from agentroll.engine.models.decoder import read_config
 from agentroll.model.shapes import SHAPES, ensure_shape_model
 from agentroll.model.tiny import ensure_tiny_model

@@ -22,6 +22,7 @@ from agentroll._fs import read_json_object
 from agentroll.chat import ChatTokenizer
 from agentroll.engine.model_runner import ForwardItem, ModelRunner
 from agentroll.engine.models import read_config
+from agentroll.engine.models.decoder import DecoderConfig
 from agentroll.engine.sampler import sample
 from agentroll.engine.scheduler import Scheduler, SchedulerConfig
 from agentroll.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -56,8 +57,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # True: a request's tokens and logprobs do not depend on the rest of the batch (needed
     # for bit-exact pause/resume/migrate parity); costs throughput (see `bench engine`).
     batch_invariant: bool = False
-    # torch intra-op threads (process-wide).  None: 1 for small models on the CPU, where
-    # thread hand-offs cost more than the matmuls they split; torch's default otherwise.
+    # torch intra-op threads (process-wide), which the kernels' products and attention
+    # split their work over.  None: ``default_threads`` (1 for small models on the CPU,
+    # where thread hand-offs cost more than the matmuls they split; torch's default else).
     num_threads: int | None = None
     # The async facade runs up to ``steps_per_call`` steps back to back on the engine thread
     # before the event loop takes their tokens (fewer when a pause, a new request or an abort
@@ -120,6 +122,23 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
 
 
+# Weights a decode step reads (bytes of fp32) from which the CPU engine uses every core: a
+# step of the tiny model (3 MB) is over before a thread hand-off pays; at 360M parameters
+# the products and attention run 1.4-1.9x faster on two cores than on one.
+_PARALLEL_FROM_BYTES = 64 << 20
+
+
+def default_threads(model: DecoderConfig) -> int:
+    """The engine's thread count on the CPU (``EngineConfig.num_threads=None``): one thread
+    below ``_PARALLEL_FROM_BYTES`` of weights read per decode step, torch's count (every
+    core by default) from there."""
+    d, hd = model.hidden_size, model.head_dim
+    per_layer = d * (model.num_heads + 2 * model.num_kv_heads) * hd
+    per_layer += model.num_heads * hd * d + 3 * d * model.intermediate_size
+    weights = 4 * (model.num_layers * per_layer + model.vocab_size * d)
+    return 1 if weights < _PARALLEL_FROM_BYTES else torch.get_num_threads()
+
+
 class LLMEngine:
     """Continuous-batching generation over a paged KV cache.  Not thread-safe: call it from
     one thread (the async facade does)."""
@@ -134,7 +153,7 @@ class LLMEngine:
         model_config = read_config(model_dir)  # checked before anything is built from it
         self.tokenizer = ChatTokenizer.from_pretrained(model_dir)
         dtype = _DTYPES[config.dtype]
-        self._set_threads(model_config.hidden_size)
+        self._set_threads(model_config)
         probe = ModelRunner(
             model_dir,
             num_blocks=1,
@@ -186,10 +205,10 @@ class LLMEngine:
         self._store: WeightStore | None = None
         self._sleep: SleepState | None = None
 
-    def _set_threads(self, hidden: int) -> None:
+    def _set_threads(self, model: DecoderConfig) -> None:
         threads = self.config.num_threads
         if threads is None and self.config.device == "cpu":
-            threads = 1 if hidden <= 1024 else None
+            threads = default_threads(model)
         if threads is not None:
             torch.set_num_threads(threads)
 

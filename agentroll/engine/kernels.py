@@ -25,8 +25,11 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
-# -fno-trapping-math lets g++ vectorise floor (fast_exp); it changes no rounding
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math")
+# -fno-trapping-math lets g++ vectorise floor (fast_exp); it changes no rounding.  -fopenmp
+# compiles ATen's inline parallel_for into OpenMP regions (without it they run on one
+# thread); the library links no OpenMP runtime of its own, so they run on the libgomp torch
+# loaded, with torch's thread count.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math")
 _state: dict[str, Any] = {}  # "module": ModuleType | None once tried, "error": str
 _lock = threading.Lock()  # replicas start their engines on several threads at once
 

@@ -427,3 +427,16 @@ def test_a_group_of_identical_prompts_prefills_once_and_samples_as_alone(
     assert len({tuple(o.token_id for o in got[k]) for k in group}) > 1  # samples differ
     assert on.scheduler.num_shared_tokens == 3 * n and off.scheduler.num_shared_tokens == 0
     assert on.scheduler.block_manager.num_used_blocks == 0  # every reference dropped
+
+
+def test_default_threads_split_only_models_big_enough_to_pay() -> None:
+    from agentroll.engine.engine import default_threads
+    from agentroll.engine.models.decoder import DecoderConfig
+    from agentroll.model.shapes import SHAPES, shape_config
+
+    def config(name: str) -> DecoderConfig:
+        return DecoderConfig.from_dict(shape_config(SHAPES[name]))
+
+    assert default_threads(config("tiny")) == 1
+    for name in ("smollm2-360m", "llama-1b"):
+        assert default_threads(config(name)) == torch.get_num_threads()
