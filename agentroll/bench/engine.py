@@ -362,12 +362,14 @@ class _VLLM:
             # start when that much is not free (this process holds the other systems already)
             kwargs["gpu_memory_utilization"] = 0.3
         self.llm = vllm.LLM(model=str(model), dtype="float32", enforce_eager=True, **kwargs)
-        # no detokenisation: a shape's vocabulary is larger than the project tokenizer's
+        # no detokenisation: a shape's vocabulary is larger than the project tokenizer's.  No
+        # per-request seed: vLLM 0.32's CPU worker dies ("CPU Generator does not use offset")
+        # when a seeded request's prefill is split into chunks, as 32 prompts of 256 are
         self.sp = vllm.SamplingParams(
-            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0, detokenize=False
+            temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
         )
         self.sp1 = vllm.SamplingParams(
-            temperature=1.0, max_tokens=1, ignore_eos=True, seed=0, detokenize=False
+            temperature=1.0, max_tokens=1, ignore_eos=True, detokenize=False
         )
         self.inputs: Any = [{"prompt_token_ids": p} for p in prompts]
         self.llm.generate(self.inputs, self.sp)  # warm-up

@@ -197,6 +197,18 @@ class ModelRunner:
         self.config = cfg = self.model.config
         self.num_blocks, self.block_size = num_blocks, block_size
         self.batch_invariant, self.invariant_tile = batch_invariant, invariant_tile
+        # the C++ kernels (kernels.py) when they apply: on the CPU and buildable here, for
+        # fp32, or for bf16 where the CPU runs bf16 products and the packed copies are made
+        # (bf16 steps run only in decoder_forward, K/V and activations in fp32)
+        ext = kernels.get() if use_kernels and self.device.type == "cpu" else None
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        packed = ext is not None and weight_bytes <= packed_max_bytes()
+        bf16_ok = packed and ext is not None and ext.bf16_products()
+        if dtype != torch.float32 and not (dtype == torch.bfloat16 and bf16_ok):
+            ext = None
+        self.kernels = ext
+        self.packed = packed and ext is not None
+        self.kv_dtype = torch.float32 if ext is not None else dtype
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.allocate_kv()
@@ -208,14 +220,6 @@ class ModelRunner:
         self._cos = torch.empty(0, dim, device=self.device)
         self._sin = torch.empty(0, dim, device=self.device)
         self.scale = dim**-0.5
-        # the C++ kernels (kernels.py) when they apply: fp32 on the CPU, and buildable here
-        self.kernels = (
-            kernels.get()
-            if use_kernels and self.device.type == "cpu" and dtype == torch.float32
-            else None
-        )
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.packed = self.kernels is not None and weight_bytes <= packed_max_bytes()
         # decoder_forward's weights and the version counters they were built at, and
         # id(weight) -> (its packed slice of them, its outputs) (weight_packed)
         self._fused: tuple[tuple[int, ...], list[Tensor]] | None = None
@@ -232,7 +236,7 @@ class ModelRunner:
         """Bytes of K and V that one block holds over all layers."""
         cfg = self.config
         per_layer = self.block_size * cfg.num_kv_heads * cfg.head_dim
-        return 2 * cfg.num_layers * per_layer * self.dtype.itemsize
+        return 2 * cfg.num_layers * per_layer * self.kv_dtype.itemsize
 
     # -- memory (sleep / wake) -------------------------------------------------------------
 
@@ -258,7 +262,7 @@ class ModelRunner:
         back to the system at once (one allocation past the allocator's mmap threshold)."""
         cfg = self.config
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads)
-        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.dtype, device=self.device)
+        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.kv_dtype, device=self.device)
         self.k_cache, self.v_cache = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     def release_kv(self) -> int:
@@ -323,7 +327,9 @@ class ModelRunner:
         if plan is None:
             plan = self._plan(items)
         if weights is not None and (
-            self.batch_invariant or plan.prefill_keys <= _FUSED_PREFILL_KEYS
+            self.batch_invariant
+            or plan.prefill_keys <= _FUSED_PREFILL_KEYS
+            or self.dtype != torch.float32  # bf16 products run only there
         ):
             return self._forward_fused(plan, weights)
         ops: _FastOps = (_InvariantOps if self.batch_invariant else _FastOps)(self, plan)
@@ -404,15 +410,17 @@ class ModelRunner:
         versions = tuple(p._version for p in self._params)
         if self._fused is not None and self._fused[0] == versions:
             return self._fused[1]
-        none = torch.empty(0, dtype=self.dtype, device=self.device)
+        # norms and biases in fp32 whatever the weights' dtype (a bf16 model's are converted)
+        none = torch.empty(0, dtype=torch.float32, device=self.device)
         params = model.named_weights()
         named = {name: t.detach() for name, t in params.items()}
 
         def opt(name: str) -> Tensor:
-            return named.get(name, none)
+            return named.get(name, none).float()
 
-        pack = self.kernels.pack_weight if self.kernels is not None else None
-        assert pack is not None  # fused weights come with the kernels
+        assert self.kernels is not None  # fused weights come with the kernels
+        bf16 = self.dtype == torch.bfloat16
+        pack = self.kernels.pack_weight_bf16 if bf16 else self.kernels.pack_weight
 
         def cat_packed(*names: str) -> Tensor:
             return pack(torch.cat([named[n] for n in names]).t())
@@ -422,7 +430,7 @@ class ModelRunner:
 
         out = [
             named["model.embed_tokens.weight"],
-            named["model.norm.weight"],
+            named["model.norm.weight"].float(),
             packed(model.lm_head_weight.detach()),
         ]
         views: dict[int, tuple[Tensor, int]] = {
@@ -435,14 +443,14 @@ class ModelRunner:
             qkv = [attn + f"{x}_proj" for x in "qkv"]
             first = len(out)
             out += [
-                named[pre + "input_layernorm.weight"],
+                named[pre + "input_layernorm.weight"].float(),
                 cat_packed(*(x + ".weight" for x in qkv)),
-                torch.cat([named[x + ".bias"] for x in qkv]) if qkv[0] + ".bias" in named else none,
+                torch.cat([opt(x + ".bias") for x in qkv]) if qkv[0] + ".bias" in named else none,
                 opt(attn + "q_norm.weight"),
                 opt(attn + "k_norm.weight"),
                 packed(named[attn + "o_proj.weight"]),
                 opt(attn + "o_proj.bias"),
-                named[pre + "post_attention_layernorm.weight"],
+                named[pre + "post_attention_layernorm.weight"].float(),
                 cat_packed(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                 packed(named[mlp + "down_proj.weight"]),
             ]
@@ -584,7 +592,7 @@ class ModelRunner:
         out = []
         for cache in (self.k_cache, self.v_cache):
             # gathered straight into the result (index_select then stack copied twice)
-            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.dtype)
+            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.kv_dtype)
             for layer, c in enumerate(cache):
                 if c.device.type == "cpu":
                     torch.index_select(c, 0, idx, out=t[layer])
@@ -598,9 +606,9 @@ class ModelRunner:
         idx = self._block_index(block_ids)
         want = (len(self.k_cache), len(idx), *self.k_cache[0].shape[1:])
         for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != want or t.dtype != self.dtype:
+            if tuple(t.shape) != want or t.dtype != self.kv_dtype:
                 raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.dtype}"
+                    f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.kv_dtype}"
                 )
         for layer in range(len(self.k_cache)):
             self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))

@@ -29,6 +29,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
     from agentroll.validate.layout import check_layout_roundtrip
     from agentroll.validate.parity import (
         check_batch_invariance,
+        check_bf16_parity,
         check_recompute_rescore,
         check_reference_parity,
         check_token_parity_migrate,
@@ -42,6 +43,7 @@ def run_checks(model: Path, device: str = "cpu") -> list[CheckResult]:
         asyncio.run(check_recompute_rescore(model, device=device)),
         check_reference_parity(model, device=device),
         asyncio.run(check_batch_invariance(model, device=device)),
+        check_bf16_parity(model, device=device),
         check_episode_checkpoint_parity(model, device=device),
         asyncio.run(check_provenance(model, device=device)),
         asyncio.run(check_rolling_versions(model, device=device)),

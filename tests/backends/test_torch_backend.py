@@ -13,8 +13,10 @@ from agentroll.env import Environment, tool
 from agentroll.errors import BackendError
 from agentroll.rollout.engine import RolloutConfig, RolloutEngine
 from agentroll.types import Task
+from agentroll.validate import parity
 from agentroll.validate.parity import (
     check_batch_invariance,
+    check_bf16_parity,
     check_recompute_rescore,
     check_reference_parity,
     check_token_parity_migrate,
@@ -47,6 +49,16 @@ def test_check_token_parity_migrate(tiny_model: Path) -> None:
 def test_check_reference_parity(tiny_model: Path) -> None:
     r = check_reference_parity(tiny_model, max_tokens=16)
     assert r.passed, r.line()
+
+
+def test_check_bf16_parity_measures_a_real_difference(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = check_bf16_parity(tiny_model, max_tokens=16, requests=4)
+    assert r.passed, r.line()
+    assert r.figures["tokens"] == 64 and 0 < float(r.figures["p99"]) <= parity.BF16_P99_TOLERANCE
+    monkeypatch.setattr(parity, "BF16_P99_TOLERANCE", 1e-6)  # bf16 is not fp32: caught
+    assert not check_bf16_parity(tiny_model, max_tokens=16, requests=4).passed
 
 
 async def test_errors_reach_only_their_request(tiny_model: Path) -> None:

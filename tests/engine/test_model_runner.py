@@ -243,14 +243,28 @@ def test_batch_invariant_alone_vs_with_seven_others(
     assert all(torch.isfinite(a).all() for a in alone)
 
 
-def test_bf16_runs_and_roughly_agrees(tiny: Path) -> None:
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
+def test_bf16_runs_and_roughly_agrees(tiny: Path, use_kernels: bool) -> None:
+    from agentroll.engine import kernels
+
+    ext = kernels.get() if use_kernels else None
+    fused = ext is not None and ext.bf16_products()  # bf16 products in decoder_forward
     fp32 = ModelRunner(tiny, num_blocks=16)
-    bf16 = ModelRunner(tiny, num_blocks=16, dtype=torch.bfloat16)
-    assert bf16.k_cache[0].dtype == torch.bfloat16
-    a = fp32.forward([ForwardItem(PROMPTS[2], 0, [1, 2], want_all_logits=True)]).all_logits[0]
-    b = bf16.forward([ForwardItem(PROMPTS[2], 0, [1, 2], want_all_logits=True)]).all_logits[0]
+    bf16 = ModelRunner(tiny, num_blocks=16, dtype=torch.bfloat16, use_kernels=use_kernels)
+    assert (bf16.kernels is not None) == fused
+    assert bf16.k_cache[0].dtype == (torch.float32 if fused else torch.bfloat16)
+    prompt = PROMPTS[2]
+    a = fp32.forward([ForwardItem(prompt, 0, [1, 2], want_all_logits=True)]).all_logits[0]
+    b = bf16.forward([ForwardItem(prompt, 0, [1, 2], want_all_logits=True)]).all_logits[0]
     assert b.dtype == torch.float32 and torch.isfinite(b).all()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.7
+    diff = (torch.log_softmax(a, -1) - torch.log_softmax(b, -1)).abs()
+    assert float(diff.max()) < 0.25, float(diff.max())
+    # a decode step over the prefilled cache agrees as well
+    item = ForwardItem([7], len(prompt), [1, 2])
+    da = fp32.forward([item]).last_logits[0]
+    db = bf16.forward([item]).last_logits[0]
+    assert float((torch.log_softmax(da, -1) - torch.log_softmax(db, -1)).abs().max()) < 0.25
 
 
 def test_load_weights_changes_outputs_and_is_transactional(tiny: Path) -> None:

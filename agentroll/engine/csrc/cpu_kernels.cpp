@@ -1,6 +1,7 @@
-// CPU kernels of the built-in engine (fp32): RMSNorm, SiLU-and-multiply, rotate-half RoPE,
-// attention read straight from the paged KV cache, sampling, blocked matrix products (linear)
-// and a whole decoder step (decoder_forward).  Loaded by agentroll/engine/kernels.py.
+// CPU kernels of the built-in engine (fp32 activations; products over fp32 or bf16 packed
+// weights): RMSNorm, SiLU-and-multiply, rotate-half RoPE, attention read straight from the
+// paged KV cache, sampling, blocked matrix products (linear, linear_packed) and a whole
+// decoder step (decoder_forward).  Loaded by agentroll/engine/kernels.py.
 //
 // Invariants:
 // - Every kernel computes each row (a token, or a (token, kv head) pair for attention) on its
@@ -746,6 +747,48 @@ void gemm_packed(const float* a, int64_t lda, const float* packed, float* c, int
   });
 }
 
+// bf16 products: weights packed in bfloat16 panels (pack_weight_bf16), activations rounded
+// to bfloat16 per product, accumulation in float32 (oneDNN's brgemm on AVX512-BF16).  Each
+// panel is [k / 2, nn, 2]: pairs of rows interleaved (the "VNNI" layout the bf16 dot-product
+// instructions read).
+bool bf16_runs() {
+  static const bool isa = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("avx512_bf16");
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  }();
+  return isa && brgemm_runs();
+}
+
+void gemm_packed_bf16(const float* a, int64_t lda, const at::BFloat16* packed, float* c,
+                      int64_t ldc, int64_t m, int64_t n, int64_t k, bool accumulate,
+                      int64_t tile) {
+  if (m == 0 || n == 0) return;
+  // the activations in bfloat16, rounded to nearest even like torch's conversion
+  std::vector<at::BFloat16> a16(m * k);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* src = a + r * lda;
+    at::BFloat16* dst = a16.data() + r * k;
+    for (int64_t i = 0; i < k; ++i) dst[i] = at::BFloat16(src[i]);
+  }
+  const int64_t rows = tile > 0 ? tile : kGemmRows;
+  const int64_t panels = (n + kPackCols - 1) / kPackCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPackCols, nn = std::min(kPackCols, n - n0);
+      const at::BFloat16* panel = packed + n0 * k;
+      for (int64_t k0 = 0; k0 < k; k0 += kPackDepth) {
+        const int64_t kk = std::min(kPackDepth, k - k0);
+        for (int64_t m0 = 0; m0 < m; m0 += rows) {
+          at::native::cpublas::brgemm(std::min(rows, m - m0), nn, kk, k, nn, ldc,
+                                      accumulate || k0 > 0, a16.data() + m0 * k + k0,
+                                      panel + k0 * nn, c + m0 * ldc + n0, true);
+        }
+      }
+    }
+  });
+}
+
 // out[r] += bias for rows of n values.
 void add_bias(float* out, int64_t stride, const float* bias, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -772,8 +815,13 @@ void linear_packed_into(torch::Tensor& out, const torch::Tensor& x, const torch:
                         int64_t n, const torch::Tensor& bias, int64_t tile,
                         bool accumulate = false) {
   const int64_t m = x.size(0), k = x.size(1);
-  gemm_packed(x.data_ptr<float>(), k, packed.data_ptr<float>(), out.data_ptr<float>(), n, m, n,
-              k, accumulate, tile);
+  if (packed.scalar_type() == torch::kBFloat16) {
+    gemm_packed_bf16(x.data_ptr<float>(), k, packed.data_ptr<at::BFloat16>(),
+                     out.data_ptr<float>(), n, m, n, k, accumulate, tile);
+  } else {
+    gemm_packed(x.data_ptr<float>(), k, packed.data_ptr<float>(), out.data_ptr<float>(), n, m,
+                n, k, accumulate, tile);
+  }
   if (present(bias)) add_bias(out.data_ptr<float>(), n, bias.data_ptr<float>(), m, n);
 }
 
@@ -806,12 +854,41 @@ torch::Tensor pack_weight(const torch::Tensor& wt) {
   return out;
 }
 
-// x [m, k] @ W (+ bias [n]) where packed is pack_weight(W) of n columns (or a slice of one
-// starting at a panel boundary).  tile as for linear.
+// wt [k, n] (float32 or bfloat16, any strides; k even) as a bf16 packed weight: bfloat16
+// [k * n], panels of kPackCols columns, each [k / 2, nn, 2] (see gemm_packed_bf16).
+torch::Tensor pack_weight_bf16(const torch::Tensor& wt) {
+  TORCH_CHECK(bf16_runs(), "pack_weight_bf16: this CPU has no AVX512-BF16 brgemm (bf16_runs())");
+  TORCH_CHECK(wt.device().is_cpu() && wt.dim() == 2 &&
+                  (wt.scalar_type() == torch::kFloat32 || wt.scalar_type() == torch::kBFloat16),
+              "pack_weight_bf16: wt must be a CPU float32 or bfloat16 [k, n] tensor");
+  TORCH_CHECK(wt.size(0) % 2 == 0, "pack_weight_bf16: k must be even, got ", wt.size(0));
+  const auto w = wt.to(torch::kBFloat16);  // exact for bfloat16 input, rounded for float32
+  const int64_t k = w.size(0), n = w.size(1), s0 = w.stride(0), s1 = w.stride(1);
+  auto out = torch::empty({k * n}, w.options());
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, (n + kPackCols - 1) / kPackCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPackCols, nn = std::min(kPackCols, n - n0);
+      at::BFloat16* panel = dst + n0 * k;
+      for (int64_t c = 0; c < nn; ++c) {
+        const at::BFloat16* col = src + (n0 + c) * s1;
+        for (int64_t r = 0; r < k; ++r) panel[(r / 2) * nn * 2 + c * 2 + (r % 2)] = col[r * s0];
+      }
+    }
+  });
+  return out;
+}
+
+// x [m, k] @ W (+ bias [n]) where packed is pack_weight(W) or pack_weight_bf16(W) of n
+// columns (or a slice of one starting at a panel boundary).  tile as for linear.
 torch::Tensor linear_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias, int64_t tile) {
   check_f32(x, "x");
-  check_f32(packed, "packed");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() &&
+                  (packed.scalar_type() == torch::kFloat32 ||
+                   packed.scalar_type() == torch::kBFloat16),
+              "linear_packed: packed must be a contiguous CPU float32 or bfloat16 tensor");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 1 && n > 0 && packed.numel() == x.size(1) * n,
               "linear_packed: x must be [m, k] and packed [k * n] with n = ", n, ", got ",
               x.sizes(), " and ", packed.sizes());
@@ -917,11 +994,13 @@ void check_weight(const torch::Tensor& t, const char* name, int64_t layer,
 }
 
 // A packed [k, n] weight: float32 [k * n].
-void check_packed(const torch::Tensor& t, const char* name, int64_t layer, int64_t k, int64_t n) {
-  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == torch::kFloat32 &&
+void check_packed(const torch::Tensor& t, const char* name, int64_t layer, int64_t k, int64_t n,
+                  torch::ScalarType type) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == type &&
                   t.is_contiguous() && t.dim() == 1 && t.numel() == k * n,
               "decoder_forward: weight ", name, " of layer ", layer, " must be a packed CPU ",
-              "float32 [", k, " x ", n, "] weight (pack_weight), got ",
+              type, " [", k, " x ", n, "] weight (pack_weight or pack_weight_bf16, all alike), ",
+              "got ", t.defined() ? t.scalar_type() : type, " ",
               t.defined() ? t.sizes() : at::IntArrayRef{});
 }
 
@@ -990,9 +1069,15 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
               "cos and sin must be [positions, head_dim] alike");
   const int64_t hd = cos.size(1), max_pos = cos.size(0);
   const int64_t qkv_n = (h + 2 * kvh) * hd;
-  check_weight(embed, "embed", -1, {vocab, d});
+  TORCH_CHECK(embed.device().is_cpu() && embed.is_contiguous() &&
+                  (embed.scalar_type() == torch::kFloat32 ||
+                   embed.scalar_type() == torch::kBFloat16),
+              "decoder_forward: embed must be a contiguous CPU float32 or bfloat16 tensor");
   check_weight(weights[kFinalNorm], "final_norm", -1, {d});
-  check_packed(weights[kHeadT], "lm_head", -1, d, vocab);
+  // products in bfloat16 when the packed weights are (every one alike), else float32
+  const auto packed_type = weights[kHeadT].scalar_type() == torch::kBFloat16 ? torch::kBFloat16
+                                                                             : torch::kFloat32;
+  check_packed(weights[kHeadT], "lm_head", -1, d, vocab, packed_type);
   TORCH_CHECK(layers > 0 && weights[kModelWeights + kDownT].dim() == 1,
               "decoder_forward: no layers");
   const int64_t inter = weights[kModelWeights + kDownT].numel() / d;
@@ -1002,15 +1087,15 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kModelWeights + l * kPerLayer;
     check_weight(w[kInNorm], "input_layernorm", l, {d});
-    check_packed(w[kQkvT], "qkv", l, d, qkv_n);
+    check_packed(w[kQkvT], "qkv", l, d, qkv_n, packed_type);
     check_optional(w[kQkvBias], "qkv_bias", l, qkv_n);
     check_optional(w[kQNorm], "q_norm", l, hd);
     check_optional(w[kKNorm], "k_norm", l, hd);
-    check_packed(w[kOT], "o_proj", l, h * hd, d);
+    check_packed(w[kOT], "o_proj", l, h * hd, d, packed_type);
     check_optional(w[kOBias], "o_bias", l, d);
     check_weight(w[kPostNorm], "post_attention_layernorm", l, {d});
-    check_packed(w[kGateUpT], "gate_up", l, d, 2 * inter);
-    check_packed(w[kDownT], "down", l, inter, d);
+    check_packed(w[kGateUpT], "gate_up", l, d, 2 * inter, packed_type);
+    check_packed(w[kDownT], "down", l, inter, d, packed_type);
     for (const auto* cache : {&k_caches[l], &v_caches[l]}) {
       check_f32(*cache, "kv cache");
       TORCH_CHECK(cache->numel() % kv_row == 0 && cache->numel() / kv_row % block_size == 0,
@@ -1053,8 +1138,14 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
   float* hp = hidden.data_ptr<float>();
   float* xp = x.data_ptr<float>();
   float* qp = qkv.data_ptr<float>();
-  const float* ep = embed.data_ptr<float>();
-  for (int64_t i = 0; i < t; ++i) std::memcpy(hp + i * d, ep + tok[i] * d, d * sizeof(float));
+  if (embed.scalar_type() == torch::kFloat32) {
+    const float* ep = embed.data_ptr<float>();
+    for (int64_t i = 0; i < t; ++i) std::memcpy(hp + i * d, ep + tok[i] * d, d * sizeof(float));
+  } else {
+    const at::BFloat16* ep = embed.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < d; ++j) hp[i * d + j] = static_cast<float>(ep[tok[i] * d + j]);
+  }
   const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
   clock.mark(kRegSetup);
   for (int64_t l = 0; l < layers; ++l) {
@@ -1108,7 +1199,7 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "agentroll CPU kernels (fp32): see agentroll/engine/kernels.py";
+  m.doc() = "agentroll CPU kernels: see agentroll/engine/kernels.py";
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
@@ -1120,6 +1211,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ wt (+ bias) by blocked brgemm products",
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_weight", &pack_weight, "wt [k, n] as a packed weight (panels of columns)");
+  m.def("pack_weight_bf16", &pack_weight_bf16, "wt [k, n] as a bfloat16 packed weight");
+  m.def("bf16_products", &bf16_runs, "whether bfloat16 products (pack_weight_bf16) run here");
   m.def("linear_packed", &linear_packed, "x @ W (+ bias) over pack_weight(W)",
         py::call_guard<py::gil_scoped_release>());
   m.def("decoder_forward", &decoder_forward, "the whole decoder over a step's tokens",
