@@ -21,6 +21,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "agentroll.bench.engine_profile",
         "where a decode step of the built-in engine goes: products, attention, sampling",
     ),
+    "engine-dtype": (
+        "agentroll.bench.engine_dtype",
+        "the built-in engine serving bf16 weights vs fp32: decode speedup, bf16 floor",
+    ),
     "sync": (
         "agentroll.bench.sync",
         "delta weight updates: bytes vs verl, encode/apply GB/s vs memcpy",

@@ -111,6 +111,7 @@ class _Ours:
         cpu_kernels: bool = True,
         threads: int | None = None,
         kv_cache_mb: int = 256,
+        dtype: str = "float32",
     ) -> None:
         from agentroll.backends.torch import TorchBackend
 
@@ -123,6 +124,7 @@ class _Ours:
             cpu_kernels=cpu_kernels,
             num_threads=threads,
             kv_cache_mb=kv_cache_mb,
+            dtype=dtype,
         )
         self.last: list[list[int]] = []  # the replies of the last timed batch
 
@@ -746,8 +748,12 @@ def main_engine(
 
 def row_name(args: argparse.Namespace) -> str:
     """The results-table row of a run: ``engine`` for the tiny shape, ``engine:SHAPE``
-    otherwise, so each shape keeps its own current row."""
-    return "engine" if args.shape == "tiny" else f"engine:{args.shape}"
+    otherwise, and ``engine:SHAPE:cN`` at a concurrency other than 32, so each shape and
+    batch size keeps its own current row."""
+    if args.shape == "tiny":
+        return "engine"
+    concurrency = getattr(args, "concurrency", 32)
+    return f"engine:{args.shape}" + (f":c{concurrency}" if concurrency != 32 else "")
 
 
 # -- command line --------------------------------------------------------------------------

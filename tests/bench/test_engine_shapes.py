@@ -137,6 +137,27 @@ def test_phase_prompts_are_seeded_valid_and_unshared() -> None:
 def test_row_names_keep_shapes_apart() -> None:
     assert bench_engine.row_name(argparse.Namespace(shape="tiny")) == "engine"
     assert bench_engine.row_name(argparse.Namespace(shape="llama-1b")) == "engine:llama-1b"
+    four = argparse.Namespace(shape="smollm2-360m", concurrency=4)
+    assert bench_engine.row_name(four) == "engine:smollm2-360m:c4"
+
+
+def test_engine_dtype_pairs_bf16_against_fp32(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentroll.bench import engine_dtype
+
+    args = argparse.Namespace(
+        shape="tiny", concurrency=2, max_tokens=48, prompt_len=16, pairs=5, threads=None
+    )
+    assert engine_dtype.main(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in line.split())
+    assert fields["pairs"] == "5" and fields["shape"] == "tiny"
+    lo, mid, hi = (
+        float(fields[k]) for k in ("decode_speedup_min", "decode_speedup", "decode_speedup_max")
+    )
+    assert 0 < lo <= mid <= hi
+    assert float(fields["decode_tokens_per_s_bf16"]) > 0 < float(fields["bf16_floor_tokens_per_s"])
+    assert fields["bound"] in ("memory", "compute")
+    assert engine_dtype.row_name(args) == "engine-dtype:tiny:c2"
 
 
 def test_result_line_carries_the_shape_and_floor_keys(
