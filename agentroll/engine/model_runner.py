@@ -162,13 +162,15 @@ class ModelRunner:
 
     The KV cache holds, per layer, K and V of shape [num_blocks, block_size, kv_heads,
     head_dim]; a step takes sequences as plain records: new tokens, the number already
-    cached and a block table of ints.  For fp32 on the CPU it uses the engine's C++ kernels
-    (``kernels.py``): a step of decodes and short prefill chunks, and every step in the
-    batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in C++,
-    over fused QKV and gate/up weights packed once, products by oneDNN's brgemm
+    cached and a block table of ints.  On the CPU it uses the engine's C++ kernels
+    (``kernels.py``) for fp32: a step of decodes and short prefill chunks, and every step in
+    the batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in
+    C++, over fused QKV and gate/up weights packed once, products by oneDNN's brgemm
     micro-kernels); steps with long prefills run the model layer by layer with the kernels'
     norms, SiLU, RoPE, K/V writes, paged attention and products on views of the same
-    packed copies, and SDPA for the prefills.  Everywhere else (other dtypes, CUDA, no
+    packed copies, and SDPA for the prefills.  bf16 weights run every step in
+    ``decoder_forward`` with bf16 products (K/V and activations fp32) where the CPU has
+    them.  Everywhere else (other dtypes, CUDA, no
     compiler) it runs torch ops.  With ``batch_invariant=True`` a token's logits and K/V
     depend only on its own sequence's tokens and cache (``decoder_forward`` by
     construction; on torch ops, ``ops._InvariantOps``).
