@@ -160,7 +160,7 @@ class LLMEngine:
             block_size=config.block_size,
             dtype=dtype,
             device=config.device,
-            use_kernels=config.cpu_kernels,  # its K/V dtype: fp32 where bf16 runs the kernels
+            use_kernels=False,
         )
         num_blocks = config.num_blocks or max(16, config.kv_cache_mb * 2**20 // probe.block_bytes)
         self.runner = ModelRunner(

@@ -169,8 +169,8 @@ class ModelRunner:
     micro-kernels); steps with long prefills run the model layer by layer with the kernels'
     norms, SiLU, RoPE, K/V writes, paged attention and products on views of the same
     packed copies, and SDPA for the prefills.  bf16 weights run every step in
-    ``decoder_forward`` with bf16 products (K/V and activations fp32) where the CPU has
-    them.  Everywhere else (other dtypes, CUDA, no
+    ``decoder_forward`` with bf16 products and a bf16 KV cache (activations and attention's
+    arithmetic in fp32) where the CPU has them.  Everywhere else (other dtypes, CUDA, no
     compiler) it runs torch ops.  With ``batch_invariant=True`` a token's logits and K/V
     depend only on its own sequence's tokens and cache (``decoder_forward`` by
     construction; on torch ops, ``ops._InvariantOps``).
@@ -201,7 +201,7 @@ class ModelRunner:
         self.batch_invariant, self.invariant_tile = batch_invariant, invariant_tile
         # the C++ kernels (kernels.py) when they apply: on the CPU and buildable here, for
         # fp32, or for bf16 where the CPU runs bf16 products and the packed copies are made
-        # (bf16 steps run only in decoder_forward, K/V and activations in fp32)
+        # (bf16 steps run only in decoder_forward: activations fp32, K/V cached in bf16)
         ext = kernels.get() if use_kernels and self.device.type == "cpu" else None
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         packed = ext is not None and weight_bytes <= packed_max_bytes()
@@ -210,7 +210,7 @@ class ModelRunner:
             ext = None
         self.kernels = ext
         self.packed = packed and ext is not None
-        self.kv_dtype = torch.float32 if ext is not None else dtype
+        self.kv_dtype = dtype
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.allocate_kv()

@@ -252,7 +252,7 @@ def test_bf16_runs_and_roughly_agrees(tiny: Path, use_kernels: bool) -> None:
     fp32 = ModelRunner(tiny, num_blocks=16)
     bf16 = ModelRunner(tiny, num_blocks=16, dtype=torch.bfloat16, use_kernels=use_kernels)
     assert (bf16.kernels is not None) == fused
-    assert bf16.k_cache[0].dtype == (torch.float32 if fused else torch.bfloat16)
+    assert bf16.k_cache[0].dtype == torch.bfloat16
     prompt = PROMPTS[2]
     a = fp32.forward([ForwardItem(prompt, 0, [1, 2], want_all_logits=True)]).all_logits[0]
     b = bf16.forward([ForwardItem(prompt, 0, [1, 2], want_all_logits=True)]).all_logits[0]

@@ -40,6 +40,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -183,12 +184,21 @@ void rope_rows(float* x, int64_t stride, int64_t rows, int64_t heads, int64_t d,
   });
 }
 
-// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for rows of `row` floats.
-void store_kv_rows(const float* k, const float* v, int64_t stride, float* k_cache, float* v_cache,
+// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t] for rows of `row` floats (rounded to
+// nearest even in a bfloat16 cache).
+template <typename T>
+void store_kv_rows(const float* k, const float* v, int64_t stride, T* k_cache, T* v_cache,
                    int64_t row, const int64_t* slots, int64_t rows) {
   for (int64_t i = 0; i < rows; ++i) {
-    std::memcpy(k_cache + slots[i] * row, k + i * stride, row * sizeof(float));
-    std::memcpy(v_cache + slots[i] * row, v + i * stride, row * sizeof(float));
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(k_cache + slots[i] * row, k + i * stride, row * sizeof(float));
+      std::memcpy(v_cache + slots[i] * row, v + i * stride, row * sizeof(float));
+    } else {
+      for (int64_t j = 0; j < row; ++j) {
+        k_cache[slots[i] * row + j] = T(k[i * stride + j]);
+        v_cache[slots[i] * row + j] = T(v[i * stride + j]);
+      }
+    }
   }
 }
 
@@ -257,12 +267,13 @@ void store_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
 
 namespace {
 
-// One query row and kv head of paged_attention.
+// One query row and kv head of paged_attention; K/V in float32 or bfloat16 (T).
+template <typename T>
 struct AttendRow {
-  const float* q;     // [group, d]: the query heads that share this kv head
-  float* out;         // [group, d]
-  const float* keys;  // the layer's caches, [slots, kvh, d]
-  const float* values;
+  const float* q;  // [group, d]: the query heads that share this kv head
+  float* out;      // [group, d]
+  const T* keys;   // the layer's caches, [slots, kvh, d]
+  const T* values;
   const int64_t* table;  // this row's block table
   int64_t len, block_size, kvh, kv, group, d;
   float scale;
@@ -278,14 +289,21 @@ struct AttendRow {
 // tree instead of a horizontal reduction each (g++ sums an `omp simd` reduction's lanes one by
 // one, a chain of dependent scalar adds that made attention's scores 2x slower).  Every key's sum runs the same operations in
 // the same order, whatever its place among the four or the count.
-template <int64_t D>
-inline void dot4(const float* q, const float* const* keys, int64_t count, float scale, float* s) {
+// 16 values as floats: a load, or bfloat16 widened (exact: its bits are a float's top half).
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int64_t D, typename T>
+inline void dot4(const float* q, const T* const* keys, int64_t count, float scale, float* s) {
   __m512 acc[4];
   for (int64_t j = 0; j < 4; ++j) {
     acc[j] = _mm512_setzero_ps();
     if (j < count) {
       for (int64_t c = 0; c < D; c += 16)
-        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(keys[j] + c), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load16(keys[j] + c), acc[j]);
     }
   }
   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [sum a, sum b, sum c, sum d]
@@ -303,8 +321,17 @@ inline void dot4(const float* q, const float* const* keys, int64_t count, float 
 }
 #endif
 
-template <int64_t D>
-void attend(const AttendRow& job, std::vector<float>& scores, std::vector<float>& spill) {
+// a . b over n values, b's in float32 or bfloat16
+template <typename T>
+inline float dot_kv(const float* a, const T* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
+  return acc;
+}
+
+template <int64_t D, typename T>
+void attend(const AttendRow<T>& job, std::vector<float>& scores, std::vector<float>& spill) {
   const int64_t d = D > 0 ? D : job.d, len = job.len, bs = job.block_size;
   scores.resize(len);
   float* s = scores.data();
@@ -316,17 +343,17 @@ void attend(const AttendRow& job, std::vector<float>& scores, std::vector<float>
 #if defined(__AVX512F__)
       if constexpr (D > 0 && D % 16 == 0) {
         for (int64_t j = 0; j < count; j += 4) {
-          const float* keys[4];
+          const T* keys[4];
           for (int64_t i = 0; i < 4; ++i)
             keys[i] = job.keys + ((base + std::min(j + i, count - 1)) * job.kvh + job.kv) * d;
-          dot4<D>(qv, keys, std::min<int64_t>(4, count - j), job.scale, s + p0 + j);
+          dot4<D, T>(qv, keys, std::min<int64_t>(4, count - j), job.scale, s + p0 + j);
         }
         continue;
       }
 #endif
       for (int64_t j = 0; j < count; ++j) {
-        const float* key = job.keys + ((base + j) * job.kvh + job.kv) * d;
-        s[p0 + j] = dot(qv, key, d) * job.scale;
+        const T* key = job.keys + ((base + j) * job.kvh + job.kv) * d;
+        s[p0 + j] = dot_kv(qv, key, d) * job.scale;
       }
     }
     const float top = row_max(s, len);
@@ -349,10 +376,10 @@ void attend(const AttendRow& job, std::vector<float>& scores, std::vector<float>
       const int64_t base = job.table[p0 / bs] * bs;
       const int64_t count = std::min(bs, len - p0);
       for (int64_t j = 0; j < count; ++j) {
-        const float* value = job.values + ((base + j) * job.kvh + job.kv) * d;
+        const T* value = job.values + ((base + j) * job.kvh + job.kv) * d;
         const float w = s[p0 + j] * inv;
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) acc[c] += w * value[c];
+        for (int64_t c = 0; c < d; ++c) acc[c] += w * static_cast<float>(value[c]);
       }
     }
     float* o = job.out + g * d;
@@ -380,8 +407,9 @@ void check_attention_index(const int64_t* tables, int64_t nr, int64_t nb, const 
 
 // The attention of t query rows (h heads of d each, rows q_stride apart; out rows out_stride
 // apart) over the paged cache (keys, values: [slots, kvh, d]); indexes checked beforehand.
+template <typename T>
 void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_stride,
-                    const float* keys, const float* values, const int64_t* tables, int64_t nb,
+                    const T* keys, const T* values, const int64_t* tables, int64_t nb,
                     const int64_t* rows, const int64_t* lens, int64_t t, int64_t h, int64_t kvh,
                     int64_t d, int64_t block_size, float scale) {
   const int64_t group = h / kvh;
@@ -391,7 +419,7 @@ void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_st
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kvh, kv = i % kvh;
       // the group's query heads are adjacent
-      const AttendRow job{q + row * q_stride + kv * group * d,
+      const AttendRow<T> job{q + row * q_stride + kv * group * d,
                           out + row * out_stride + kv * group * d,
                           keys,
                           values,
@@ -404,11 +432,11 @@ void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_st
                           d,
                           scale};
       if (d == 64) {
-        attend<64>(job, scores, acc);
+        attend<64, T>(job, scores, acc);
       } else if (d == 128) {
-        attend<128>(job, scores, acc);
+        attend<128, T>(job, scores, acc);
       } else {
-        attend<0>(job, scores, acc);
+        attend<0, T>(job, scores, acc);
       }
     }
   });
@@ -1084,6 +1112,10 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
   TORCH_CHECK(block_size > 0, "block_size must be > 0");
   const int64_t kv_row = kvh * hd;
   int64_t num_slots = -1;
+  // the K/V caches: float32, or bfloat16 (every layer alike)
+  const auto kv_type = k_caches.empty() ? torch::kFloat32 : k_caches[0].scalar_type();
+  TORCH_CHECK(kv_type == torch::kFloat32 || kv_type == torch::kBFloat16,
+              "kv caches must be float32 or bfloat16, got ", kv_type);
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + kModelWeights + l * kPerLayer;
     check_weight(w[kInNorm], "input_layernorm", l, {d});
@@ -1097,7 +1129,9 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
     check_packed(w[kGateUpT], "gate_up", l, d, 2 * inter, packed_type);
     check_packed(w[kDownT], "down", l, inter, d, packed_type);
     for (const auto* cache : {&k_caches[l], &v_caches[l]}) {
-      check_f32(*cache, "kv cache");
+      TORCH_CHECK(cache->device().is_cpu() && cache->is_contiguous() &&
+                      cache->scalar_type() == kv_type,
+                  "kv cache of layer ", l, " must be a contiguous CPU ", kv_type, " tensor");
       TORCH_CHECK(cache->numel() % kv_row == 0 && cache->numel() / kv_row % block_size == 0,
                   "kv cache of layer ", l, " must hold whole blocks of [", block_size, ", ",
                   kvh, ", ", hd, "]");
@@ -1167,12 +1201,21 @@ torch::Tensor decoder_forward(const torch::Tensor& token_ids, const torch::Tenso
     }
     rope_rows(qp, qkv_n, t, h, hd, cos.data_ptr<float>(), sin.data_ptr<float>(), pos);
     rope_rows(kp, qkv_n, t, kvh, hd, cos.data_ptr<float>(), sin.data_ptr<float>(), pos);
-    float* kc = k_caches[l].data_ptr<float>();
-    float* vc = v_caches[l].data_ptr<float>();
-    store_kv_rows(kp, vp, qkv_n, kc, vc, kv_row, sl, t);
-    clock.mark(kRegRope);
-    attention_rows(qp, qkv_n, attn.data_ptr<float>(), h * hd, kc, vc, tp, nb, rp, lp, t, h, kvh,
-                   hd, block_size, fscale);
+    if (kv_type == torch::kFloat32) {
+      float* kc = k_caches[l].data_ptr<float>();
+      float* vc = v_caches[l].data_ptr<float>();
+      store_kv_rows(kp, vp, qkv_n, kc, vc, kv_row, sl, t);
+      clock.mark(kRegRope);
+      attention_rows(qp, qkv_n, attn.data_ptr<float>(), h * hd, kc, vc, tp, nb, rp, lp, t, h,
+                     kvh, hd, block_size, fscale);
+    } else {
+      at::BFloat16* kc = k_caches[l].data_ptr<at::BFloat16>();
+      at::BFloat16* vc = v_caches[l].data_ptr<at::BFloat16>();
+      store_kv_rows(kp, vp, qkv_n, kc, vc, kv_row, sl, t);
+      clock.mark(kRegRope);
+      attention_rows(qp, qkv_n, attn.data_ptr<float>(), h * hd, kc, vc, tp, nb, rp, lp, t, h,
+                     kvh, hd, block_size, fscale);
+    }
     clock.mark(kRegAttention);
     linear_packed_into(hidden, attn, w[kOT], d, w[kOBias], tile, true);  // the residual add
     clock.mark(kRegOProj);
