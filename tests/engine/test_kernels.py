@@ -434,3 +434,26 @@ def test_packed_copies_follow_the_memory_limit(monkeypatch: pytest.MonkeyPatch) 
         packed_max_bytes()
     monkeypatch.delenv("AGENTROLL_PACKED_MAX_MB")
     assert packed_max_bytes() >= 1 << 28
+
+
+def test_bf16_products_run_on_every_thread(ext: ModuleType) -> None:
+    """The bf16 activations are converted once by the calling thread and read by every
+    worker of the product's parallel loop (a per-thread buffer each would be empty)."""
+    if not ext.bf16_products():
+        pytest.skip("this CPU has no AVX512-BF16 products")
+    gen = torch.Generator().manual_seed(4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (3, 70):
+            x, w = torch.randn(rows, 64, generator=gen), torch.randn(640, 64, generator=gen)
+            packed = ext.pack_weight_bf16(w.t())
+            assert packed.dtype == torch.bfloat16 and packed.shape == (64 * 640,)
+            reference = x.bfloat16().float() @ w.bfloat16().float().t()
+            for _ in range(3):
+                got = ext.linear_packed(x, packed, 640, None, 0)
+                assert torch.allclose(got, reference, atol=1e-3)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="k must be even"):
+        ext.pack_weight_bf16(torch.randn(3, 32))

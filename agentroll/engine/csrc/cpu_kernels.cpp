@@ -792,11 +792,15 @@ void gemm_packed_bf16(const float* a, int64_t lda, const at::BFloat16* packed, f
                       int64_t ldc, int64_t m, int64_t n, int64_t k, bool accumulate,
                       int64_t tile) {
   if (m == 0 || n == 0) return;
-  // the activations in bfloat16, rounded to nearest even like torch's conversion
-  std::vector<at::BFloat16> a16(m * k);
+  // the activations in bfloat16, rounded to nearest even like torch's conversion, in a
+  // buffer the calling thread keeps (a step's products would otherwise map and fault in
+  // fresh pages for each one)
+  thread_local std::vector<at::BFloat16> buffer;
+  if (static_cast<int64_t>(buffer.size()) < m * k) buffer.resize(m * k);
+  at::BFloat16* const a16 = buffer.data();  // the workers below see this thread's buffer
   for (int64_t r = 0; r < m; ++r) {
     const float* src = a + r * lda;
-    at::BFloat16* dst = a16.data() + r * k;
+    at::BFloat16* dst = a16 + r * k;
     for (int64_t i = 0; i < k; ++i) dst[i] = at::BFloat16(src[i]);
   }
   const int64_t rows = tile > 0 ? tile : kGemmRows;
@@ -809,7 +813,7 @@ void gemm_packed_bf16(const float* a, int64_t lda, const at::BFloat16* packed, f
         const int64_t kk = std::min(kPackDepth, k - k0);
         for (int64_t m0 = 0; m0 < m; m0 += rows) {
           at::native::cpublas::brgemm(std::min(rows, m - m0), nn, kk, k, nn, ldc,
-                                      accumulate || k0 > 0, a16.data() + m0 * k + k0,
+                                      accumulate || k0 > 0, a16 + m0 * k + k0,
                                       panel + k0 * nn, c + m0 * ldc + n0, true);
         }
       }
