@@ -210,7 +210,6 @@ class ModelRunner:
             ext = None
         self.kernels = ext
         self.packed = packed and ext is not None
-        self.kv_dtype = dtype
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.allocate_kv()
@@ -238,7 +237,7 @@ class ModelRunner:
         """Bytes of K and V that one block holds over all layers."""
         cfg = self.config
         per_layer = self.block_size * cfg.num_kv_heads * cfg.head_dim
-        return 2 * cfg.num_layers * per_layer * self.kv_dtype.itemsize
+        return 2 * cfg.num_layers * per_layer * self.dtype.itemsize
 
     # -- memory (sleep / wake) -------------------------------------------------------------
 
@@ -264,7 +263,7 @@ class ModelRunner:
         back to the system at once (one allocation past the allocator's mmap threshold)."""
         cfg = self.config
         shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads)
-        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.kv_dtype, device=self.device)
+        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.dtype, device=self.device)
         self.k_cache, self.v_cache = list(kv[0].unbind(0)), list(kv[1].unbind(0))
 
     def release_kv(self) -> int:
@@ -594,7 +593,7 @@ class ModelRunner:
         out = []
         for cache in (self.k_cache, self.v_cache):
             # gathered straight into the result (index_select then stack copied twice)
-            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.kv_dtype)
+            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.dtype)
             for layer, c in enumerate(cache):
                 if c.device.type == "cpu":
                     torch.index_select(c, 0, idx, out=t[layer])
@@ -608,9 +607,9 @@ class ModelRunner:
         idx = self._block_index(block_ids)
         want = (len(self.k_cache), len(idx), *self.k_cache[0].shape[1:])
         for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != want or t.dtype != self.kv_dtype:
+            if tuple(t.shape) != want or t.dtype != self.dtype:
                 raise ValueError(
-                    f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.kv_dtype}"
+                    f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.dtype}"
                 )
         for layer in range(len(self.k_cache)):
             self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))

@@ -219,6 +219,21 @@ async def check_recompute_rescore(
     return CheckResult("recompute_rescore", recompute_ok and keep_ok, figures)
 
 
+def _generate_alone(
+    engine: Any, rid: str, prompt: list[int], params: SamplingParams, seed: int | None = None
+) -> tuple[list[int], list[float]]:
+    """One request through an idle ``LLMEngine``, stepped to the end: its tokens and their
+    logprobs."""
+    engine.add_request(rid, prompt, params, seed=seed)
+    ids: list[int] = []
+    lps: list[float] = []
+    while engine.has_work():
+        for o in engine.step():
+            ids.append(o.token_id)
+            lps.append(o.logprob)
+    return ids, lps
+
+
 def check_reference_parity(model: Path, max_tokens: int = 32, device: str = "cpu") -> CheckResult:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
@@ -230,17 +245,8 @@ def check_reference_parity(model: Path, max_tokens: int = 32, device: str = "cpu
     max_diff = 0.0
     same_greedy = True
     for i, prompt in enumerate(sample_prompts(engine.tokenizer, 4)):
-        engine.add_request(
-            f"g{i}",
-            prompt,
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=()),
-        )
-        ids: list[int] = []
-        lps: list[float] = []
-        while engine.has_work():
-            for o in engine.step():
-                ids.append(o.token_id)  # type: ignore[arg-type]
-                lps.append(o.logprob)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=())
+        ids, lps = _generate_alone(engine, f"g{i}", prompt, params)
         full = torch.tensor([list(prompt) + ids])
         with torch.no_grad():
             logits = hf(full).logits[0].float()
@@ -281,13 +287,7 @@ def check_bf16_parity(
     diffs: list[float] = []
     for i, prompt in enumerate(sample_prompts(engine.tokenizer, requests)):
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=())
-        engine.add_request(f"b{i}", prompt, params, seed=i)
-        ids: list[int] = []
-        lps: list[float] = []
-        while engine.has_work():
-            for o in engine.step():
-                ids.append(o.token_id)  # type: ignore[arg-type]
-                lps.append(o.logprob)
+        ids, lps = _generate_alone(engine, f"b{i}", prompt, params, seed=i)
         full = list(prompt) + ids
         table = list(range(-(-len(full) // block)))
         out = reference.forward([ForwardItem(full, 0, table, want_all_logits=True)])

@@ -743,18 +743,10 @@ void gemm_packed(const float* a, int64_t lda, const float* packed, float* c, int
                  int64_t m, int64_t n, int64_t k, bool accumulate, int64_t tile) {
   if (m == 0 || n == 0) return;
   const int64_t panels = (n + kPackCols - 1) / kPackCols;
-  if (!brgemm_runs()) {
-    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  if (!brgemm_runs()) {  // gemm's torch product, panel by panel ([k, nn] row-major each)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kPackCols, nn = std::min(kPackCols, n - n0);
-      const auto at_a = torch::from_blob(const_cast<float*>(a), {m, k}, {lda, 1}, f32);
-      const auto at_b = torch::from_blob(const_cast<float*>(packed + n0 * k), {k, nn}, f32);
-      auto at_c = torch::from_blob(c + n0, {m, nn}, {ldc, 1}, f32);
-      if (accumulate) {
-        at_c.addmm_(at_a, at_b);
-      } else {
-        at::mm_out(at_c, at_a, at_b);
-      }
+      gemm(a, lda, packed + n0 * k, nn, c + n0, ldc, m, nn, k, accumulate, tile);
     }
     return;
   }
