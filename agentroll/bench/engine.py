@@ -58,17 +58,37 @@ def _log(msg: str) -> None:
     print(f"[bench engine] {msg}", flush=True)
 
 
+def steady_window(arrivals: Sequence[Sequence[tuple[float, int]]]) -> tuple[int, float]:
+    """The tokens and seconds of a streamed batch's steady state: from the moment the last
+    request got its first token to the moment the first request got its last, when every
+    request is decoding.  ``arrivals`` holds each request's deliveries as (time, tokens);
+    tokens delivered after the window opens and up to its close count.  (0, 0.0) when the
+    window is empty (a request finished before another started)."""
+    if not arrivals or any(not a for a in arrivals):
+        return 0, 0.0
+    opens = max(a[0][0] for a in arrivals)
+    closes = min(a[-1][0] for a in arrivals)
+    if closes <= opens:
+        return 0, 0.0
+    tokens = sum(n for a in arrivals for t, n in a if opens < t <= closes)
+    return tokens, closes - opens
+
+
 @dataclass(frozen=True, slots=True)
 class Phases:
     """One system's timings on one pair's prompts: a prefill-only batch (each request's
     first token) and a full batch of ``max_tokens`` per request on other prompts of the same
-    count and length (so neither hits a prefix cache the other filled)."""
+    count and length (so neither hits a prefix cache the other filled).  ``steady_tokens``
+    and ``steady_s``: the full batch's steady state (``steady_window``), for a system that
+    streams; 0 for one that does not (its decode runs every row in lock-step anyway)."""
 
     requests: int
     prompt_tokens: int  # of the prefill-only batch
     prefill_s: float
     generated: int  # tokens of the full batch
     full_s: float
+    steady_tokens: int = 0
+    steady_s: float = 0.0
 
     @staticmethod
     def of(
@@ -77,8 +97,11 @@ class Phases:
         full: list[list[int]],
         full_s: float,
         outs: list[list[int]],
+        steady: tuple[int, float] = (0, 0.0),
     ) -> Phases:
-        return Phases(len(full), sum(map(len, pre)), prefill_s, sum(map(len, outs)), full_s)
+        return Phases(
+            len(full), sum(map(len, pre)), prefill_s, sum(map(len, outs)), full_s, *steady
+        )
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -92,8 +115,18 @@ class Phases:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after each request's first, over the full batch's time less the
+        """Decode tokens/s with every request decoding: the steady state where measured,
+        else the tokens after each request's first over the full batch's time less the
         prefill-only batch's (``nan`` when nothing is left of either)."""
+        if self.steady_s > 0 and self.steady_tokens > 0:
+            return self.steady_tokens / self.steady_s
+        return self.whole_decode_tokens_per_s
+
+    @property
+    def whole_decode_tokens_per_s(self) -> float:
+        """The tokens after each request's first over the full batch's time less the
+        prefill-only batch's: decode with its ramp-up and tail, where some requests are
+        still in prefill or already done (``nan`` when nothing is left of either)."""
         decode_s, tokens = self.full_s - self.prefill_s, self.generated - self.requests
         return tokens / decode_s if decode_s > 0 and tokens > 0 else math.nan
 
@@ -127,6 +160,8 @@ class _Ours:
             dtype=dtype,
         )
         self.last: list[list[int]] = []  # the replies of the last timed batch
+        # each request's deliveries in the last batch: (time, tokens)
+        self.arrivals: dict[str, list[tuple[float, int]]] = {}
 
     async def __aenter__(self) -> _Ours:
         await self.backend.__aenter__()
@@ -144,13 +179,16 @@ class _Ours:
         )
         req = GenerationRequest(request_id=rid, prompt_ids=prompt, sampling=sampling)
         out: list[int] = []
+        arrived = self.arrivals.setdefault(rid, [])
         async for chunk in self.backend.generate(req):
             out += chunk.token_ids
+            arrived.append((time.perf_counter(), len(chunk.token_ids)))
         return out
 
     async def _batch(
         self, tag: str, prompts: list[list[int]], max_tokens: int | None = None
     ) -> list[list[int]]:
+        self.arrivals = {}
         return await asyncio.gather(
             *(self._one(f"{tag}-{i}", p, i, max_tokens) for i, p in enumerate(prompts))
         )
@@ -162,7 +200,9 @@ class _Ours:
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         outs = await self._batch(f"f{rep}", full)
-        return Phases.of(pre, prefill_s, full, time.perf_counter() - start, outs)
+        full_s = time.perf_counter() - start
+        steady = steady_window(list(self.arrivals.values()))
+        return Phases.of(pre, prefill_s, full, full_s, outs, steady)
 
     async def rate(self, rep: int) -> float:
         """Tokens/s of one timed batch of every prompt."""
@@ -392,11 +432,39 @@ class _VLLM:
         start = time.perf_counter()
         self.llm.generate([{"prompt_token_ids": p} for p in pre], self.sp1, use_tqdm=False)
         prefill_s = time.perf_counter() - start
+        full_s, gen, arrivals = self._streamed(f"bench-{rep}", full)
+        return Phases.of(pre, prefill_s, full, full_s, gen, steady_window(arrivals))
+
+    def _streamed(
+        self, tag: str, prompts: list[list[int]]
+    ) -> tuple[float, list[list[int]], list[list[tuple[float, int]]]]:
+        """``generate``'s loop with each step's new tokens timed as they come back: the
+        seconds, each request's tokens and its deliveries (time, tokens)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = self.sp.clone()
+        sp.output_kind = RequestOutputKind.DELTA
+        engine = self.llm.llm_engine
+        ids = [f"{tag}-{i}" for i in range(len(prompts))]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        arrivals: dict[str, list[tuple[float, int]]] = {rid: [] for rid in ids}
         start = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in full], self.sp, use_tqdm=False)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                new = list(out.outputs[0].token_ids)
+                if new:
+                    # vLLM may suffix the id it was given
+                    rid = (
+                        out.request_id
+                        if out.request_id in tokens
+                        else out.request_id.rsplit("-", 1)[0]
+                    )
+                    tokens[rid] += new
+                    arrivals[rid].append((time.perf_counter(), len(new)))
         full_s = time.perf_counter() - start
-        gen = [list(o.outputs[0].token_ids) for o in outs]
-        return Phases.of(pre, prefill_s, full, full_s, gen)
+        return full_s, [tokens[rid] for rid in ids], [arrivals[rid] for rid in ids]
 
     def rate(self) -> float:
         start = time.perf_counter()
@@ -538,6 +606,12 @@ def phase_fields(ph: _Phased, roof: _Roofline) -> dict[str, Any]:
         "decode_ratio_vs_vllm": f"{vs_vllm.ratio:.2f}",
         "decode_ratio_vs_vllm_min": f"{vs_vllm.ratio_min:.2f}",
         "decode_ratio_vs_vllm_max": f"{vs_vllm.ratio_max:.2f}",
+        # decode with its ramp-up and tail (the full batch less the prefill-only batch)
+        "whole_decode_tokens_per_s": f"{_Phased.median(ph.ours, 'whole_decode_tokens_per_s'):.1f}",
+        "vllm_whole_decode_tokens_per_s": (
+            f"{_Phased.median(ph.vllm, 'whole_decode_tokens_per_s'):.1f}"
+        ),
+        "whole_decode_ratio_vs_vllm": f"{ph.ratio('whole_decode_tokens_per_s', 'vllm').ratio:.2f}",
         "floor_tokens_per_s": f"{roof.floor.tokens_per_s:.1f}",
         "bound": roof.floor.bound,
         "floor_fraction": f"{decode / roof.floor.tokens_per_s:.3f}",
@@ -644,8 +718,14 @@ def main_engine(
     Every shape then runs the prefill/decode pairs: per pair, new random prompts of
     ``prompt_len`` valid token ids; each system times a prefill-only batch (``max_tokens=1``:
     ``prefill_tokens_per_s`` = prompt tokens / its time) and a full batch on other prompts of
-    the same size (``decode_tokens_per_s`` = the tokens after each request's first / (full
-    time - prefill-only time)).  For real shapes ``tokens_per_s`` and the ``ratio_vs_*`` keys
+    the same size.  ``decode_tokens_per_s`` is the full batch's steady state, where every
+    request decodes (``steady_window``: the tokens streamed between the last request's first
+    token and the first request's last, over that time; vLLM's is streamed from its engine's
+    own step loop), the state the floor describes; transformers decodes its padded batch in
+    lock-step, so its decode is the tokens after each request's first / (full time -
+    prefill-only time).  ``whole_decode_tokens_per_s`` (and vLLM's) is that whole-batch
+    figure for the streaming systems too: decode with its ramp-up and tail, where some
+    requests are still in prefill or already done.  For real shapes ``tokens_per_s`` and the ``ratio_vs_*`` keys
     come from the full batches (generated tokens / wall time, prefill included).  The floor,
     measured in the same run on the same threads after the systems are freed:
     ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *

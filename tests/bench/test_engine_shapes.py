@@ -125,6 +125,24 @@ def test_phases_split_prefill_and_decode() -> None:
     assert math.isnan(bench_engine.Phases(4, 400, 6.0, 40, 5.0).decode_tokens_per_s)
 
 
+def test_steady_window_counts_tokens_while_every_request_decodes() -> None:
+    # request a: first token at 1.0, then one per second to 6.0; b starts at 3.0, ends at 9.0
+    a = [(1.0, 1)] + [(float(t), 1) for t in range(2, 7)]
+    b = [(3.0, 1)] + [(float(t), 2) for t in range(4, 10)]
+    tokens, seconds = bench_engine.steady_window([a, b])
+    # window (3.0, 6.0]: a's tokens at 4, 5, 6 and b's at 4, 5, 6 (two each)
+    assert (tokens, seconds) == (3 + 6, 3.0)
+    ph = bench_engine.Phases(2, 20, 1.0, 18, 10.0, tokens, seconds)
+    assert ph.decode_tokens_per_s == 3.0
+    assert ph.whole_decode_tokens_per_s == 16 / 9.0  # the ramp and the tail included
+    # a request done before another starts, or one that got nothing: no steady state
+    assert bench_engine.steady_window([[(1.0, 1), (2.0, 1)], [(3.0, 1), (4.0, 1)]]) == (0, 0.0)
+    assert bench_engine.steady_window([a, []]) == (0, 0.0)
+    assert bench_engine.steady_window([]) == (0, 0.0)
+    # without one, decode falls back to the whole decode
+    assert bench_engine.Phases(2, 20, 1.0, 18, 10.0).decode_tokens_per_s == 16 / 9.0
+
+
 def test_phase_prompts_are_seeded_valid_and_unshared() -> None:
     ids = list(range(10, 2000))
     a = bench_engine.phase_prompts(ids, 3, 50, "0-pre")
