@@ -485,7 +485,7 @@ class _Phased:
     """Prefill and decode of every system, each side the median over the pairs."""
 
     ours: list[Phases]
-    hf: list[Phases]
+    hf: list[Phases | None]
     vllm: list[Phases | None]
 
     @staticmethod
@@ -511,10 +511,12 @@ async def _phased(
     max_tokens: int,
     pairs: int,
     threads: int,
+    hf: bool = True,
 ) -> _Phased:
-    """The engine (A) and its baselines (B: transformers batched, then vLLM) in ``pairs``
-    alternating pairs of prefill-only and full batches, every pair on new prompts (the same
-    for every system in the pair); every system loaded and warmed up before the first."""
+    """The engine (A) and its baselines (B: transformers batched unless ``hf`` is false,
+    then vLLM) in ``pairs`` alternating pairs of prefill-only and full batches, every pair on
+    new prompts (the same for every system in the pair); every system loaded and warmed up
+    before the first."""
     cfg = read_config(model)
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     context = prompt_len + max_tokens + 16  # a block of slack per request
@@ -529,7 +531,7 @@ async def _phased(
         kv_cache_mb=max(256, math.ceil(1.25 * kv_bytes / 2**20)),
     )
     async with ours:
-        hf = _HF(model, warm, max_tokens)
+        hf_batch = _HF(model, warm, max_tokens) if hf else None
         llm = _VLLM.start(
             model,
             warm,
@@ -548,16 +550,16 @@ async def _phased(
             seen.append(await ours.phases(i, prompts(i, "pre"), prompts(i, "full")))
             return seen[-1]
 
-        async def baselines(i: int) -> tuple[Phases, Phases | None]:
+        async def baselines(i: int) -> tuple[Phases | None, Phases | None]:
             pre, full = prompts(i, "pre"), prompts(i, "full")
-            h = hf.phases(i, pre, full)
+            h = hf_batch.phases(i, pre, full) if hf_batch is not None else None
             v = llm.phases(i, pre, full) if llm is not None else None
             nan = math.nan
             _log(
                 f"pair {i + 1}/{pairs} (prefill / decode tokens/s): built-in engine "
                 f"{seen[-1].prefill_tokens_per_s:.1f} / {seen[-1].decode_tokens_per_s:.1f}, "
-                f"transformers batched {h.prefill_tokens_per_s:.1f} / "
-                f"{h.decode_tokens_per_s:.1f}, vllm "
+                f"transformers batched {h.prefill_tokens_per_s if h else nan:.1f} / "
+                f"{h.decode_tokens_per_s if h else nan:.1f}, vllm "
                 f"{v.prefill_tokens_per_s if v else nan:.1f} / "
                 f"{v.decode_tokens_per_s if v else nan:.1f}"
             )
@@ -697,6 +699,7 @@ def main_engine(
     pairs: int = DEFAULT_PAIRS,
     shape: str = "tiny",
     prompt_len: int = DEFAULT_PROMPT_LEN,
+    hf: bool = True,
 ) -> None:
     """Run the bench and print progress lines, then one ``key=value`` result line.
 
@@ -731,7 +734,9 @@ def main_engine(
     ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *
     concurrency / peak_gflops)`` (fp32 weights read once, the LM head included, the
     embedding gather and attention excluded), ``bound`` the side that sets it, and
-    ``floor_fraction`` = ``decode_tokens_per_s / floor_tokens_per_s``.
+    ``floor_fraction`` = ``decode_tokens_per_s / floor_tokens_per_s``.  ``hf=False``
+    (``--no-hf``) leaves transformers out, for a shape whose three copies of the weights do
+    not fit in memory together; its keys are then ``nan``.
     """
     model = (
         ensure_tiny_model(model_dir)
@@ -790,7 +795,9 @@ def main_engine(
             "ratio_vs_vllm_max": f"{p.vs_vllm.ratio_max:.2f}",
         }
         gc.collect()
-    ph = asyncio.run(_phased(model, ids, concurrency, prompt_len, max_tokens, pairs, threads))
+    ph = asyncio.run(
+        _phased(model, ids, concurrency, prompt_len, max_tokens, pairs, threads, hf=hf)
+    )
     if shape != "tiny":
         vs_hf, vs_vllm = ph.ratio("tokens_per_s", "hf"), ph.ratio("tokens_per_s", "vllm")
         fields = {
@@ -801,7 +808,7 @@ def main_engine(
             "ratio_vs_vllm": f"{vs_vllm.ratio:.2f}",
             "cpu_kernels": int(kernels.get() is not None),
             "peak_rss_mb": f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f}",
-            "pairs": vs_hf.pairs,
+            "pairs": vs_vllm.pairs,
             "ratio_min": f"{vs_hf.ratio_min:.2f}",
             "ratio_max": f"{vs_hf.ratio_max:.2f}",
             "ratio_vs_vllm_min": f"{vs_vllm.ratio_min:.2f}",
@@ -850,6 +857,7 @@ class EngineBenchConfig:
     pairs: int = DEFAULT_PAIRS
     shape: str = "tiny"
     prompt_len: int = DEFAULT_PROMPT_LEN
+    hf: bool = True  # transformers measured too
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_tokens < 1:
@@ -863,6 +871,8 @@ class EngineBenchConfig:
             raise ConfigError(f"--prompt-len must be >= 1 (got {self.prompt_len})")
         get_shape(self.shape)
         check_pairs(self.pairs)
+        if not self.hf and self.shape == "tiny":
+            raise ConfigError("--no-hf is for real shapes; drop it for --shape tiny")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -896,6 +906,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PAIRS,
         help="alternating timed runs (engine, baselines), at least 5; ratios are their medians",
     )
+    parser.add_argument(
+        "--no-hf",
+        dest="hf",
+        action="store_false",
+        help="leave transformers out (its own copy of the weights): for a shape whose three "
+        "copies do not fit in memory together; its keys are then nan",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -908,6 +925,7 @@ def main(args: argparse.Namespace) -> int:
         args.pairs,
         args.shape,
         args.prompt_len,
+        args.hf,
     )
     main_engine(
         config.concurrency,
@@ -917,5 +935,6 @@ def main(args: argparse.Namespace) -> int:
         config.pairs,
         config.shape,
         config.prompt_len,
+        config.hf,
     )
     return 0

@@ -186,11 +186,13 @@ def test_result_line_carries_the_shape_and_floor_keys(
     model = ensure_shape_model("small", cache=tmp_path, shape=_SMALL)
     seen: dict[str, Any] = {}
 
-    async def phased(m: Path, ids: list[int], n: int, plen: int, mt: int, pairs: int, t: int):
-        seen.update(ids=ids, threads=t, plen=plen)
+    async def phased(
+        m: Path, ids: list[int], n: int, plen: int, mt: int, pairs: int, t: int, hf: bool = True
+    ):
+        seen.update(ids=ids, threads=t, plen=plen, hf=hf)
         ours = [bench_engine.Phases(n, n * plen, 1.0, n * mt, 1.0 + n * (mt - 1) / 80.0)] * pairs
         other = [bench_engine.Phases(n, n * plen, 2.0, n * mt, 2.0 + n * (mt - 1) / 40.0)] * pairs
-        return bench_engine._Phased(ours=ours, hf=other, vllm=other)
+        return bench_engine._Phased(ours=ours, hf=other if hf else [None] * pairs, vllm=other)
 
     monkeypatch.setattr(bench_engine, "_phased", phased)
     monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
@@ -217,6 +219,37 @@ def test_result_line_carries_the_shape_and_floor_keys(
     assert float(fields["floor_fraction"]) == pytest.approx(80.0 / floor.tokens_per_s, abs=1e-3)
     for key in ("prefill_tokens_per_s", "ratio_vs_vllm", "ratio_vs_vllm_min", "pairs"):
         assert key in fields
+
+
+def test_no_hf_leaves_transformers_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--no-hf: transformers is not loaded, its keys are nan and vLLM's ratios stay."""
+    model = ensure_shape_model("small", cache=tmp_path, shape=_SMALL)
+    seen: dict[str, Any] = {}
+
+    async def phased(
+        m: Path, ids: list[int], n: int, plen: int, mt: int, pairs: int, t: int, hf: bool = True
+    ):
+        seen["hf"] = hf
+        ours = [bench_engine.Phases(n, n * plen, 1.0, n * mt, 1.0, n * (mt - 1), 0.5)] * pairs
+        vllm = [bench_engine.Phases(n, n * plen, 2.0, n * mt, 2.0, n * (mt - 1), 1.0)] * pairs
+        return bench_engine._Phased(ours=ours, hf=[None] * pairs, vllm=vllm)
+
+    monkeypatch.setattr(bench_engine, "_phased", phased)
+    monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(bench_engine, "peak_flops", lambda dtype: 1e11)
+    monkeypatch.setattr(bench_engine, "ensure_shape_model", lambda *a, **k: model)
+    bench_engine.main_engine(4, 8, None, None, 5, shape="smollm2-360m", prompt_len=32, hf=False)
+    fields = dict(
+        kv.split("=", 1) for kv in capsys.readouterr().out.strip().split("\n")[-1].split()
+    )
+    assert seen["hf"] is False
+    assert fields["hf_batch_decode_tokens_per_s"] == "nan" == fields["ratio_vs_hf_batch"]
+    assert fields["decode_ratio_vs_vllm"] == "2.00" and fields["pairs"] == "5"
+    assert float(fields["decode_tokens_per_s"]) == 56.0  # the steady state: 28 tokens / 0.5 s
+    with pytest.raises(ConfigError, match="--no-hf"):
+        bench_engine.EngineBenchConfig(4, 4, None, None, shape="tiny", hf=False)
 
 
 def test_engine_profile_splits_a_decode_step(capsys: pytest.CaptureFixture[str]) -> None:
