@@ -728,10 +728,10 @@ def main_engine(
     lock-step, so its decode is the tokens after each request's first / (full time -
     prefill-only time).  ``whole_decode_tokens_per_s`` (and vLLM's) is that whole-batch
     figure for the streaming systems too: decode with its ramp-up and tail, where some
-    requests are still in prefill or already done.  For real shapes ``tokens_per_s`` and the ``ratio_vs_*`` keys
-    come from the full batches (generated tokens / wall time, prefill included).  The floor,
-    measured in the same run on the same threads after the systems are freed:
-    ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *
+    requests are still in prefill or already done.  For real shapes ``tokens_per_s`` and the
+    ``ratio_vs_*`` keys come from the full batches (generated tokens / wall time, prefill
+    included).  The floor, measured in the same run on the same threads after the systems
+    are freed: ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *
     concurrency / peak_gflops)`` (fp32 weights read once, the LM head included, the
     embedding gather and attention excluded), ``bound`` the side that sets it, and
     ``floor_fraction`` = ``decode_tokens_per_s / floor_tokens_per_s``.  ``hf=False``
