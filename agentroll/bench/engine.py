@@ -454,15 +454,9 @@ class _VLLM:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 new = list(out.outputs[0].token_ids)
-                if new:
-                    # vLLM may suffix the id it was given
-                    rid = (
-                        out.request_id
-                        if out.request_id in tokens
-                        else out.request_id.rsplit("-", 1)[0]
-                    )
-                    tokens[rid] += new
-                    arrivals[rid].append((time.perf_counter(), len(new)))
+                if new:  # out.request_id: the id given to add_request
+                    tokens[out.request_id] += new
+                    arrivals[out.request_id].append((time.perf_counter(), len(new)))
         full_s = time.perf_counter() - start
         return full_s, [tokens[rid] for rid in ids], [arrivals[rid] for rid in ids]
 
