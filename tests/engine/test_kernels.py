@@ -65,7 +65,15 @@ def _reference(q, kc, vc, tables, rows, lens, block_size):  # type: ignore[no-un
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "block_size"),
-    [(2, 1, 64, 16), (4, 2, 128, 8), (4, 2, 32, 4), (3, 3, 16, 5)],
+    [
+        (2, 1, 64, 16),
+        (4, 2, 128, 8),
+        (4, 2, 32, 4),
+        (3, 3, 16, 5),
+        (15, 5, 64, 16),  # groups of 3 (smollm2-360m)
+        (7, 1, 64, 16),  # a group in two passes, 4 heads then 3
+        (5, 1, 128, 8),  # passes of 2, 2 and 1 at d = 128
+    ],
 )
 def test_paged_attention_matches_gather_and_sdpa(
     ext: ModuleType, heads: int, kv_heads: int, dim: int, block_size: int
@@ -106,6 +114,25 @@ def test_every_kernel_is_per_row_invariant(ext: ModuleType) -> None:
             q[r : r + 1].clone(), kc, vc, tables[:1].clone(), rows[:1], lens[r : r + 1], 16, 0.125
         )
         assert torch.equal(one, prefill[r : r + 1])
+
+
+def test_paged_attention_reads_a_rows_heads_together_or_apart_alike(ext: ModuleType) -> None:
+    """With many rows each thread takes a row's kv heads together (a block read once), with
+    few it takes one kv head at a time; a row's result is bit-identical either way."""
+    kc, vc = _cache(64, 16, 5, 64, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    tables = torch.randperm(64, generator=gen).view(8, 8)
+    rows = torch.arange(24) % 8
+    lens = torch.randint(1, 8 * 16 + 1, (24,), generator=gen)
+    q = torch.randn(24, 15, 64, generator=gen)
+    together = ext.paged_attention(q, kc, vc, tables, rows, lens, 16, 0.125)
+    want = _reference(q, kc, vc, tables, rows, lens, 16)
+    assert torch.allclose(together, want, atol=2e-6, rtol=1e-5)
+    for r in (0, 11, 23):
+        apart = ext.paged_attention(
+            q[r : r + 1].clone(), kc, vc, tables, rows[r : r + 1], lens[r : r + 1], 16, 0.125
+        )
+        assert torch.equal(apart, together[r : r + 1])
 
 
 def test_bad_input_raises_and_names_it(ext: ModuleType) -> None:
