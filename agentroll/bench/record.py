@@ -113,14 +113,26 @@ def upsert(text: str, row: ResultRow) -> str:
     return "\n".join(lines) + "\n"
 
 
-def describe_machine(arch: str, cpus: int | None, gpus: Sequence[str]) -> str:
-    """A short machine description, e.g. ``x86_64, 2 CPUs, no GPU``."""
+def describe_machine(arch: str, cpus: int | None, gpus: Sequence[str], cpu_model: str = "") -> str:
+    """A short machine description, e.g. ``x86_64 (AMD EPYC), 2 CPUs, no GPU``: the CPU's
+    model tells apart hosts whose figures differ (cores, vector units, memory)."""
     cpu = f"{cpus} CPU{'s' if cpus != 1 else ''}" if cpus else "? CPUs"
+    head = f"{arch} ({cpu_model})" if cpu_model else arch
     if not gpus:
-        return f"{arch}, {cpu}, no GPU"
+        return f"{head}, {cpu}, no GPU"
     names = sorted(set(gpus))
     label = f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
-    return f"{arch}, {cpu}, {label} ({', '.join(names)})"
+    return f"{head}, {cpu}, {label} ({', '.join(names)})"
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The first ``model name`` of a ``/proc/cpuinfo`` text, blanks squeezed; "" if none.
+    A "|" (the table's cell separator) becomes "/"."""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "model name":
+            return " ".join(value.split()).replace("|", "/")
+    return ""
 
 
 def this_machine() -> str:
@@ -130,7 +142,11 @@ def this_machine() -> str:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return describe_machine(platform.machine() or "?", os.cpu_count(), gpus)
+    try:
+        model = cpu_model(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:  # not Linux
+        model = ""
+    return describe_machine(platform.machine() or "?", os.cpu_count(), gpus, model)
 
 
 def command_line(prefix: str, parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ from agentroll.bench.record import (
     HEADER,
     ResultRow,
     command_line,
+    cpu_model,
     describe_machine,
     record,
     result_line,
@@ -92,6 +93,14 @@ def test_describe_machine() -> None:
     assert describe_machine("x86_64", None, []) == "x86_64, ? CPUs, no GPU"
     assert describe_machine("x86_64", 16, ["NVIDIA H200"]) == "x86_64, 16 CPUs, 1 GPU (NVIDIA H200)"
     assert describe_machine("x86_64", 8, ["A", "A"]) == "x86_64, 8 CPUs, 2 GPUs (A)"
+    assert describe_machine("x86_64", 2, [], "AMD EPYC") == "x86_64 (AMD EPYC), 2 CPUs, no GPU"
+
+
+def test_cpu_model_reads_the_first_model_name() -> None:
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t:  AMD  EPYC 9R14\n\n"
+    assert cpu_model(text + "processor\t: 1\nmodel name\t: other\n") == "AMD EPYC 9R14"
+    assert cpu_model("model name : a|b\n") == "a/b"
+    assert cpu_model("processor : 0\n") == ""
 
 
 def test_command_line_names_only_the_options_that_differ_from_the_defaults() -> None:
