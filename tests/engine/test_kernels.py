@@ -448,6 +448,24 @@ def test_packed_products_match_torch_on_any_width_and_slice(ext: ModuleType) -> 
         ext.linear_packed(x, ext.pack_weight(torch.randn(40, PACK_COLS)), PACK_COLS, None, 4)
 
 
+def test_packed_products_of_a_few_rows_stream_each_panel_once(ext: ModuleType) -> None:
+    """Up to 8 rows run one loop over each full panel (its own kernel on AVX-512): every
+    row count from 1 to 8 and a 9th (the blocked product) match a float64 product, depths
+    past one brgemm block included, a ragged last panel too; a row's bits do not depend on
+    how many other rows (up to 8) share the call."""
+    gen = torch.Generator().manual_seed(11)
+    for k, n in ((960, 160), (4100, 64), (37, 70)):
+        w = torch.randn(n, k, generator=gen)
+        packed = ext.pack_weight(w.t())
+        x = torch.randn(9, k, generator=gen)
+        want = (x.double() @ w.double().t()).float()
+        outs = {m: ext.linear_packed(x[:m].clone(), packed, n, None, 0) for m in range(1, 10)}
+        for m, got in outs.items():
+            assert torch.allclose(got, want[:m], atol=1e-3, rtol=1e-4), (k, n, m)
+        for m in range(1, 8):
+            assert torch.equal(outs[m], outs[8][:m]), (k, n, m)
+
+
 def test_packed_copies_follow_the_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     from agentroll.engine.model_runner import ModelRunner, packed_max_bytes
     from agentroll.errors import ConfigError

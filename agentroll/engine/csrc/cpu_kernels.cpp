@@ -869,6 +869,55 @@ void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, in
 // projection's part of a fused weight is a slice.
 constexpr int64_t kPackCols = 32, kPackDepth = 4096;
 
+#if defined(__AVX512F__)
+// A few rows (M <= kSmallRows) times one full panel [k, 32]: the product is a stream of the
+// panel, so it runs as one loop over k, two vectors of the panel a step, with every row's
+// accumulators in registers.  Each output sums its k products in order, one fused
+// multiply-add each, from zero; accumulating adds C at the end (the same bits as oneDNN's
+// brgemm here, checked).  Against one brgemm call per panel, at 4 rows over smollm2-360m's
+// weights: 1.10x (1.04-1.16), 31 GB/s where a streaming sum over the same tensors read 28.5;
+// prefetching the panel 1 or 4 KB ahead in software was slower than not.
+constexpr int64_t kSmallRows = 8;
+template <int64_t M>
+void small_rows_panel(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+                      int64_t ldc, bool accumulate) {
+  __m512 acc[M][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const float* b = panel + i * kPackCols;
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * lda + i]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    float* o = c + r * ldc;
+    if (accumulate) {
+      acc[r][0] = _mm512_add_ps(_mm512_loadu_ps(o), acc[r][0]);
+      acc[r][1] = _mm512_add_ps(_mm512_loadu_ps(o + 16), acc[r][1]);
+    }
+    _mm512_storeu_ps(o, acc[r][0]);
+    _mm512_storeu_ps(o + 16, acc[r][1]);
+  }
+}
+
+void small_rows(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+                int64_t ldc, int64_t m, bool accumulate) {
+  switch (m) {
+    case 1: small_rows_panel<1>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 2: small_rows_panel<2>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 3: small_rows_panel<3>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 4: small_rows_panel<4>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 5: small_rows_panel<5>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 6: small_rows_panel<6>(a, lda, panel, k, c, ldc, accumulate); break;
+    case 7: small_rows_panel<7>(a, lda, panel, k, c, ldc, accumulate); break;
+    default: small_rows_panel<8>(a, lda, panel, k, c, ldc, accumulate); break;
+  }
+}
+#endif
+
 // C[m, n] (+)= A[m, k] @ packed B: as gemm, on panels of kPackCols columns and at most
 // kPackDepth of depth, each one brgemm call per row block.
 void gemm_packed(const float* a, int64_t lda, const float* packed, float* c, int64_t ldc,
@@ -887,6 +936,13 @@ void gemm_packed(const float* a, int64_t lda, const float* packed, float* c, int
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPackCols, nn = std::min(kPackCols, n - n0);
       const float* panel = packed + n0 * k;
+#if defined(__AVX512F__)
+      // a few rows, outside the batch-invariant mode (whose fixed tiles stay on brgemm)
+      if (tile == 0 && m <= kSmallRows && nn == kPackCols) {
+        small_rows(a, lda, panel, k, c + n0, ldc, m, accumulate);
+        continue;
+      }
+#endif
       for (int64_t k0 = 0; k0 < k; k0 += kPackDepth) {
         const int64_t kk = std::min(kPackDepth, k - k0);
         for (int64_t m0 = 0; m0 < m; m0 += rows) {
