@@ -513,6 +513,22 @@ void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_st
                     const int64_t* rows, const int64_t* lens, int64_t t, int64_t h, int64_t kvh,
                     int64_t d, int64_t block_size, float scale) {
   const int64_t group = h / kvh;
+  // query row `row` against kv head `kv` (and the ones after it): the group's query heads
+  // are adjacent
+  const auto job_of = [&](int64_t row, int64_t kv) {
+    return AttendRow<T>{q + row * q_stride + kv * group * d,
+                        out + row * out_stride + kv * group * d,
+                        keys,
+                        values,
+                        tables + rows[row] * nb,
+                        lens[row],
+                        block_size,
+                        kvh,
+                        kv,
+                        group,
+                        d,
+                        scale};
+  };
 #if defined(__AVX512F__)
   if (d == 64 || d == 128) {
     // a row's kv heads together (its blocks read once), or one at a time when there are too
@@ -523,18 +539,7 @@ void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_st
       std::vector<float> scores;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t row = i / (kvh / per), kv = i % (kvh / per) * per;
-        const AttendRow<T> job{q + row * q_stride + kv * group * d,
-                               out + row * out_stride + kv * group * d,
-                               keys,
-                               values,
-                               tables + rows[row] * nb,
-                               lens[row],
-                               block_size,
-                               kvh,
-                               kv,
-                               group,
-                               d,
-                               scale};
+        const AttendRow<T> job = job_of(row, kv);
         if (d == 64) {
           attend_blocks<64, T>(job, per, scores);
         } else {
@@ -550,19 +555,7 @@ void attention_rows(const float* q, int64_t q_stride, float* out, int64_t out_st
     std::vector<float> scores, acc;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / kvh, kv = i % kvh;
-      // the group's query heads are adjacent
-      const AttendRow<T> job{q + row * q_stride + kv * group * d,
-                          out + row * out_stride + kv * group * d,
-                          keys,
-                          values,
-                          tables + rows[row] * nb,
-                          lens[row],
-                          block_size,
-                          kvh,
-                          kv,
-                          group,
-                          d,
-                          scale};
+      const AttendRow<T> job = job_of(row, kv);
       if (d == 64) {
         attend<64, T>(job, scores, acc);
       } else if (d == 128) {
