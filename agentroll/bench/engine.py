@@ -18,6 +18,7 @@ import random
 import resource
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -475,12 +476,35 @@ def phase_prompts(ids: list[int], n: int, length: int, seed: str) -> list[list[i
 
 
 @dataclass(frozen=True, slots=True)
+class _Roofline:
+    """The decode floor and the rates it was computed from, measured in this run."""
+
+    costs: StepCosts
+    floor: Floor
+    read_bytes_per_s: float
+    fp32_flops: float
+    bf16_flops: float
+
+
+def _roofline(model: Path, batch: int) -> _Roofline:
+    """Read bandwidth and peak fp32/bf16 gemm rates on the current torch threads, and the
+    fp32 decode floor of ``model`` at ``batch`` rows from them."""
+    bandwidth = read_bandwidth()
+    fp32, bf16 = peak_flops(torch.float32), peak_flops(torch.bfloat16)
+    costs = step_costs(read_config(model), batch, "float32")
+    return _Roofline(costs, decode_floor(costs, batch, bandwidth, fp32), bandwidth, fp32, bf16)
+
+
+@dataclass(frozen=True, slots=True)
 class _Phased:
-    """Prefill and decode of every system, each side the median over the pairs."""
+    """Prefill and decode of every system per pair, and the roofline measured beside each
+    pair's engine side (this VM's bandwidth moves by 2x within the hour, so a floor measured
+    once would set every pair against one moment's rate)."""
 
     ours: list[Phases]
     hf: list[Phases | None]
     vllm: list[Phases | None]
+    roofs: list[_Roofline]
 
     @staticmethod
     def median(runs: Sequence[Phases | None], figure: str) -> float:
@@ -510,7 +534,8 @@ async def _phased(
     """The engine (A) and its baselines (B: transformers batched unless ``hf`` is false,
     then vLLM) in ``pairs`` alternating pairs of prefill-only and full batches, every pair on
     new prompts (the same for every system in the pair); every system loaded and warmed up
-    before the first."""
+    before the first.  Right after the engine's side of each pair, with every system idle,
+    the roofline's rates are measured on the same threads."""
     cfg = read_config(model)
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     context = prompt_len + max_tokens + 16  # a block of slack per request
@@ -539,9 +564,11 @@ async def _phased(
             return phase_prompts(ids, requests, prompt_len, f"{i}-{phase}")
 
         seen: list[Phases] = []
+        roofs: list[_Roofline] = []
 
         async def engine(i: int) -> Phases:
             seen.append(await ours.phases(i, prompts(i, "pre"), prompts(i, "full")))
+            roofs.append(_roofline(model, requests))
             return seen[-1]
 
         async def baselines(i: int) -> tuple[Phases | None, Phases | None]:
@@ -551,7 +578,10 @@ async def _phased(
             nan = math.nan
             _log(
                 f"pair {i + 1}/{pairs} (prefill / decode tokens/s): built-in engine "
-                f"{seen[-1].prefill_tokens_per_s:.1f} / {seen[-1].decode_tokens_per_s:.1f}, "
+                f"{seen[-1].prefill_tokens_per_s:.1f} / {seen[-1].decode_tokens_per_s:.1f} "
+                f"(floor {roofs[-1].floor.tokens_per_s:.1f}: "
+                f"{roofs[-1].read_bytes_per_s / 1e9:.1f} GB/s, "
+                f"{roofs[-1].fp32_flops / 1e9:.0f} GFLOP/s), "
                 f"transformers batched {h.prefill_tokens_per_s if h else nan:.1f} / "
                 f"{h.decode_tokens_per_s if h else nan:.1f}, vllm "
                 f"{v.prefill_tokens_per_s if v else nan:.1f} / "
@@ -564,33 +594,22 @@ async def _phased(
         ours=[a for a, _ in measured],
         hf=[h for _, (h, _) in measured],
         vllm=[v for _, (_, v) in measured],
+        roofs=roofs,
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Roofline:
-    """The decode floor and the rates it was computed from, measured in this run."""
-
-    costs: StepCosts
-    floor: Floor
-    read_bytes_per_s: float
-    fp32_flops: float
-    bf16_flops: float
-
-
-def _roofline(model: Path, batch: int) -> _Roofline:
-    """Read bandwidth and peak fp32/bf16 gemm rates on the current torch threads, and the
-    fp32 decode floor of ``model`` at ``batch`` rows from them."""
-    bandwidth = read_bandwidth()
-    fp32, bf16 = peak_flops(torch.float32), peak_flops(torch.bfloat16)
-    costs = step_costs(read_config(model), batch, "float32")
-    return _Roofline(costs, decode_floor(costs, batch, bandwidth, fp32), bandwidth, fp32, bf16)
-
-
-def phase_fields(ph: _Phased, roof: _Roofline) -> dict[str, Any]:
+def phase_fields(ph: _Phased) -> dict[str, Any]:
     """The result line's prefill/decode and roofline keys (see ``main_engine``)."""
     decode = _Phased.median(ph.ours, "decode_tokens_per_s")
     vs_vllm = ph.ratio("decode_tokens_per_s", "vllm")
+    of_floor = paired_ratio(
+        [
+            (a.decode_tokens_per_s, r.floor.tokens_per_s)
+            for a, r in zip(ph.ours, ph.roofs, strict=True)
+        ]
+    )
+    bounds = Counter(r.floor.bound for r in ph.roofs)
+    read = [r.read_bytes_per_s / 1e9 for r in ph.roofs]
     return {
         "prefill_tokens_per_s": f"{_Phased.median(ph.ours, 'prefill_tokens_per_s'):.1f}",
         "decode_tokens_per_s": f"{decode:.1f}",
@@ -608,13 +627,17 @@ def phase_fields(ph: _Phased, roof: _Roofline) -> dict[str, Any]:
             f"{_Phased.median(ph.vllm, 'whole_decode_tokens_per_s'):.1f}"
         ),
         "whole_decode_ratio_vs_vllm": f"{ph.ratio('whole_decode_tokens_per_s', 'vllm').ratio:.2f}",
-        "floor_tokens_per_s": f"{roof.floor.tokens_per_s:.1f}",
-        "bound": roof.floor.bound,
-        "floor_fraction": f"{decode / roof.floor.tokens_per_s:.3f}",
-        "weight_mb": f"{roof.costs.weight_bytes / 1e6:.1f}",
-        "read_gbps": f"{roof.read_bytes_per_s / 1e9:.2f}",
-        "peak_gflops": f"{roof.fp32_flops / 1e9:.1f}",
-        "peak_bf16_gflops": f"{roof.bf16_flops / 1e9:.1f}",
+        "floor_tokens_per_s": f"{median_side([r.floor.tokens_per_s for r in ph.roofs]):.1f}",
+        "bound": bounds.most_common(1)[0][0],
+        "floor_fraction": f"{of_floor.ratio:.3f}",
+        "floor_fraction_min": f"{of_floor.ratio_min:.3f}",
+        "floor_fraction_max": f"{of_floor.ratio_max:.3f}",
+        "weight_mb": f"{ph.roofs[0].costs.weight_bytes / 1e6:.1f}",
+        "read_gbps": f"{median_side(read):.2f}",
+        "read_gbps_min": f"{min(read):.2f}",
+        "read_gbps_max": f"{max(read):.2f}",
+        "peak_gflops": f"{median_side([r.fp32_flops / 1e9 for r in ph.roofs]):.1f}",
+        "peak_bf16_gflops": f"{median_side([r.bf16_flops / 1e9 for r in ph.roofs]):.1f}",
     }
 
 
@@ -724,11 +747,13 @@ def main_engine(
     figure for the streaming systems too: decode with its ramp-up and tail, where some
     requests are still in prefill or already done.  For real shapes ``tokens_per_s`` and the
     ``ratio_vs_*`` keys come from the full batches (generated tokens / wall time, prefill
-    included).  The floor, measured in the same run on the same threads after the systems
-    are freed: ``floor_tokens_per_s`` = ``concurrency / max(weight_mb / read_gbps, 2 * matmul params *
-    concurrency / peak_gflops)`` (fp32 weights read once, the LM head included, the
-    embedding gather and attention excluded), ``bound`` the side that sets it, and
-    ``floor_fraction`` = ``decode_tokens_per_s / floor_tokens_per_s``.  ``hf=False``
+    included).  The floor is measured in every pair, right after the engine's side, on the
+    same threads with every system idle: ``concurrency / max(weight_mb / read_gbps, 2 * matmul
+    params * concurrency / peak_gflops)`` (fp32 weights read once, the LM head included, the
+    embedding gather and attention excluded).  ``floor_fraction`` is the median over the pairs
+    of the engine's decode over its own pair's floor (``_min``/``_max`` their range);
+    ``floor_tokens_per_s``, ``read_gbps`` (with its range) and ``peak_gflops`` are medians
+    over the pairs, ``bound`` the side that sets most pairs' floors.  ``hf=False``
     (``--no-hf``) leaves transformers out, for a shape whose three copies of the weights do
     not fit in memory together; its keys are then ``nan``.
     """
@@ -808,12 +833,11 @@ def main_engine(
             "ratio_vs_vllm_min": f"{vs_vllm.ratio_min:.2f}",
             "ratio_vs_vllm_max": f"{vs_vllm.ratio_max:.2f}",
         }
-    gc.collect()  # the systems are gone with _phased: their memory, before the floor's buffer
-    _log("measuring the roofline: read bandwidth (1 GiB, best of 5), fp32 and bf16 gemm")
-    roof = _roofline(model, concurrency)
+    roof = ph.roofs[len(ph.roofs) // 2]
     _log(
-        f"floor {roof.floor.tokens_per_s:.1f} tokens/s ({roof.floor.bound}-bound: weights "
-        f"{roof.floor.memory_s * 1e3:.2f} ms, matmuls {roof.floor.compute_s * 1e3:.2f} ms a step)"
+        f"floor of pair {len(ph.roofs) // 2 + 1}: {roof.floor.tokens_per_s:.1f} tokens/s "
+        f"({roof.floor.bound}-bound: weights {roof.floor.memory_s * 1e3:.2f} ms, matmuls "
+        f"{roof.floor.compute_s * 1e3:.2f} ms a step)"
     )
     fields |= {
         "shape": shape,
@@ -822,7 +846,7 @@ def main_engine(
         "concurrency": concurrency,
         "prompt_len": prompt_len,
         "max_tokens": max_tokens,
-        **phase_fields(ph, roof),
+        **phase_fields(ph),
     }
     print(_line(fields))
 

@@ -3,16 +3,18 @@
 The same engine in ``bfloat16`` (A) and ``float32`` (B) in alternating pairs of the
 prefill/decode phases of ``bench engine`` (new random prompts each pair, the same for both);
 ``decode_speedup`` is the median (min, max) of the per-pair bf16/fp32 decode tokens/s.  The
-bf16 floor, measured in the same run: bf16 weights read once at the measured read bandwidth,
-or the products at the measured bf16 gemm peak, whichever is slower.
+bf16 floor, measured in every pair right after the bf16 side: bf16 weights read once at the
+measured read bandwidth, or the products at the measured bf16 gemm peak, whichever is slower;
+``bf16_floor_fraction`` is the median of each pair's bf16 decode over that pair's floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import math
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +30,32 @@ from agentroll.bench.engine import (
     phase_prompts,
 )
 from agentroll.bench.pairs import alternate_async, median_side, paired_ratio
-from agentroll.bench.roofline import decode_floor, peak_flops, read_bandwidth, step_costs
+from agentroll.bench.roofline import Floor, decode_floor, peak_flops, read_bandwidth, step_costs
 from agentroll.engine.engine import default_threads
 from agentroll.engine.models.decoder import read_config
 from agentroll.model.shapes import SHAPES, ensure_shape_model
 from agentroll.model.tiny import ensure_tiny_model
 
 
+@dataclass(frozen=True, slots=True)
+class _Bf16Floor:
+    """The bf16 decode floor of one pair and the rates it came from."""
+
+    floor: Floor
+    read_bytes_per_s: float
+    peak_flops: float
+
+
+def _bf16_floor(model: Path, batch: int) -> _Bf16Floor:
+    bandwidth, peak = read_bandwidth(), peak_flops(torch.bfloat16)
+    costs = step_costs(read_config(model), batch, "bfloat16")
+    return _Bf16Floor(decode_floor(costs, batch, bandwidth, peak), bandwidth, peak)
+
+
 async def _pairs(
     model: Path, requests: int, prompt_len: int, max_tokens: int, pairs: int, threads: int
-) -> list[tuple[Phases, Phases]]:
+) -> tuple[list[tuple[Phases, Phases]], list[_Bf16Floor]]:
+    """The bf16 (A) and fp32 (B) engines' phases per pair, and each pair's bf16 floor."""
     cfg = read_config(model)
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     kv_mb = max(
@@ -57,20 +75,22 @@ async def _pairs(
             return phase_prompts(ids, requests, prompt_len, f"{i}-{phase}")
 
         seen: list[Phases] = []
+        floors: list[_Bf16Floor] = []
 
         async def measure_bf16(i: int) -> Phases:
             seen.append(await bf16.phases(i, prompts(i, "pre"), prompts(i, "full")))
+            floors.append(_bf16_floor(model, requests))
             return seen[-1]
 
         async def measure_fp32(i: int) -> Phases:
             b = await fp32.phases(i, prompts(i, "pre"), prompts(i, "full"))
             _log(
-                f"pair {i + 1}/{pairs}: decode tokens/s bf16 {seen[-1].decode_tokens_per_s:.1f}, "
-                f"fp32 {b.decode_tokens_per_s:.1f}"
+                f"pair {i + 1}/{pairs}: decode tokens/s bf16 {seen[-1].decode_tokens_per_s:.1f} "
+                f"(floor {floors[-1].floor.tokens_per_s:.1f}), fp32 {b.decode_tokens_per_s:.1f}"
             )
             return b
 
-        return await alternate_async(measure_bf16, measure_fp32, pairs)
+        return await alternate_async(measure_bf16, measure_fp32, pairs), floors
 
 
 def main(args: argparse.Namespace) -> int:
@@ -87,11 +107,16 @@ def main(args: argparse.Namespace) -> int:
         f"shape={args.shape} requests={n} prompt_len={args.prompt_len} "
         f"max_tokens={args.max_tokens} threads={threads} pairs={args.pairs}"
     )
-    measured = asyncio.run(_pairs(model, n, args.prompt_len, args.max_tokens, args.pairs, threads))
-    gc.collect()
-    _log("measuring the roofline: read bandwidth (1 GiB, best of 5), bf16 gemm")
-    bandwidth, bf16_peak = read_bandwidth(), peak_flops(torch.bfloat16)
-    floor = decode_floor(step_costs(cfg, n, "bfloat16"), n, bandwidth, bf16_peak)
+    measured, floors = asyncio.run(
+        _pairs(model, n, args.prompt_len, args.max_tokens, args.pairs, threads)
+    )
+    of_floor = paired_ratio(
+        [
+            (a.decode_tokens_per_s, f.floor.tokens_per_s)
+            for (a, _), f in zip(measured, floors, strict=True)
+        ]
+    )
+    bounds = Counter(f.floor.bound for f in floors)
     speedup = paired_ratio([(a.decode_tokens_per_s, b.decode_tokens_per_s) for a, b in measured])
     prefill = paired_ratio([(a.prefill_tokens_per_s, b.prefill_tokens_per_s) for a, b in measured])
     decode_bf16 = median_side([a.decode_tokens_per_s for a, _ in measured])
@@ -105,11 +130,13 @@ def main(args: argparse.Namespace) -> int:
         "decode_speedup_min": f"{speedup.ratio_min:.2f}",
         "decode_speedup_max": f"{speedup.ratio_max:.2f}",
         "prefill_speedup": f"{prefill.ratio:.2f}",
-        "bf16_floor_tokens_per_s": f"{floor.tokens_per_s:.1f}",
-        "bound": floor.bound,
-        "bf16_floor_fraction": f"{decode_bf16 / floor.tokens_per_s:.3f}",
-        "read_gbps": f"{bandwidth / 1e9:.2f}",
-        "peak_bf16_gflops": f"{bf16_peak / 1e9:.1f}",
+        "bf16_floor_tokens_per_s": f"{median_side([f.floor.tokens_per_s for f in floors]):.1f}",
+        "bound": bounds.most_common(1)[0][0],
+        "bf16_floor_fraction": f"{of_floor.ratio:.3f}",
+        "bf16_floor_fraction_min": f"{of_floor.ratio_min:.3f}",
+        "bf16_floor_fraction_max": f"{of_floor.ratio_max:.3f}",
+        "read_gbps": f"{median_side([f.read_bytes_per_s / 1e9 for f in floors]):.2f}",
+        "peak_bf16_gflops": f"{median_side([f.peak_flops / 1e9 for f in floors]):.1f}",
         "pairs": speedup.pairs,
     }
     print(" ".join(f"{k}={v}" for k, v in fields.items()))

@@ -192,7 +192,9 @@ def test_result_line_carries_the_shape_and_floor_keys(
         seen.update(ids=ids, threads=t, plen=plen, hf=hf)
         ours = [bench_engine.Phases(n, n * plen, 1.0, n * mt, 1.0 + n * (mt - 1) / 80.0)] * pairs
         other = [bench_engine.Phases(n, n * plen, 2.0, n * mt, 2.0 + n * (mt - 1) / 40.0)] * pairs
-        return bench_engine._Phased(ours=ours, hf=other if hf else [None] * pairs, vllm=other)
+        roofs = [bench_engine._roofline(m, n)] * pairs
+        hf_side = other if hf else [None] * pairs
+        return bench_engine._Phased(ours=ours, hf=hf_side, vllm=other, roofs=roofs)
 
     monkeypatch.setattr(bench_engine, "_phased", phased)
     monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
@@ -221,6 +223,38 @@ def test_result_line_carries_the_shape_and_floor_keys(
         assert key in fields
 
 
+def test_floor_fraction_is_the_median_of_each_pairs_own_fraction() -> None:
+    """Each pair's decode is set against the floor measured beside it: the fraction is the
+    median of those per-pair fractions (0.625 here), not median decode over median floor
+    (80 / 160 = 0.5); the rates are medians with the bandwidth's range, the bound the most
+    pairs' bound."""
+    costs = step_costs(DecoderConfig.from_dict(shape_config(_SMALL)), 4)
+    decodes = [80.0, 40.0, 100.0, 100.0, 50.0]
+    floors = [100.0, 200.0, 160.0, 400.0, 80.0]
+    roofs = [
+        bench_engine._Roofline(
+            costs,
+            decode_floor(costs, 4, f * costs.weight_bytes / 4, 1e18),  # memory-bound at f
+            f * costs.weight_bytes / 4,
+            1e18,
+            2e18,
+        )
+        for f in floors
+    ]
+    ours = [bench_engine.Phases(4, 128, 1.0, 32, 2.0, int(d), 1.0) for d in decodes]
+    ph = bench_engine._Phased(ours=ours, hf=[None] * 5, vllm=[None] * 5, roofs=roofs)
+    fields = bench_engine.phase_fields(ph)
+    assert fields["floor_fraction"] == "0.625"
+    assert (fields["floor_fraction_min"], fields["floor_fraction_max"]) == ("0.200", "0.800")
+    assert fields["floor_tokens_per_s"] == "160.0" and fields["bound"] == "memory"
+    gbps = sorted(f * costs.weight_bytes / 4 / 1e9 for f in floors)
+    assert fields["read_gbps"] == f"{gbps[2]:.2f}"
+    assert (fields["read_gbps_min"], fields["read_gbps_max"]) == (
+        f"{gbps[0]:.2f}",
+        f"{gbps[-1]:.2f}",
+    )
+
+
 def test_no_hf_leaves_transformers_out(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -234,7 +268,8 @@ def test_no_hf_leaves_transformers_out(
         seen["hf"] = hf
         ours = [bench_engine.Phases(n, n * plen, 1.0, n * mt, 1.0, n * (mt - 1), 0.5)] * pairs
         vllm = [bench_engine.Phases(n, n * plen, 2.0, n * mt, 2.0, n * (mt - 1), 1.0)] * pairs
-        return bench_engine._Phased(ours=ours, hf=[None] * pairs, vllm=vllm)
+        roofs = [bench_engine._roofline(m, n)] * pairs
+        return bench_engine._Phased(ours=ours, hf=[None] * pairs, vllm=vllm, roofs=roofs)
 
     monkeypatch.setattr(bench_engine, "_phased", phased)
     monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 1e10)
