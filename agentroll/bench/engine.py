@@ -486,13 +486,15 @@ class _Roofline:
     bf16_flops: float
 
 
-def _roofline(model: Path, batch: int) -> _Roofline:
+def _roofline(model: Path, batch: int, dtype: str = "float32") -> _Roofline:
     """Read bandwidth and peak fp32/bf16 gemm rates on the current torch threads, and the
-    fp32 decode floor of ``model`` at ``batch`` rows from them."""
+    decode floor of ``model`` at ``batch`` rows with ``dtype`` weights (float32 or
+    bfloat16: that dtype's bytes and gemm peak) from them."""
     bandwidth = read_bandwidth()
     fp32, bf16 = peak_flops(torch.float32), peak_flops(torch.bfloat16)
-    costs = step_costs(read_config(model), batch, "float32")
-    return _Roofline(costs, decode_floor(costs, batch, bandwidth, fp32), bandwidth, fp32, bf16)
+    costs = step_costs(read_config(model), batch, dtype)
+    peak = bf16 if dtype == "bfloat16" else fp32
+    return _Roofline(costs, decode_floor(costs, batch, bandwidth, peak), bandwidth, fp32, bf16)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import math
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,35 +25,21 @@ from agentroll.bench.engine import (
     Phases,
     _log,
     _Ours,
+    _Roofline,
+    _roofline,
     _valid_ids,
     phase_prompts,
 )
 from agentroll.bench.pairs import alternate_async, median_side, paired_ratio
-from agentroll.bench.roofline import Floor, decode_floor, peak_flops, read_bandwidth, step_costs
 from agentroll.engine.engine import default_threads
 from agentroll.engine.models.decoder import read_config
 from agentroll.model.shapes import SHAPES, ensure_shape_model
 from agentroll.model.tiny import ensure_tiny_model
 
 
-@dataclass(frozen=True, slots=True)
-class _Bf16Floor:
-    """The bf16 decode floor of one pair and the rates it came from."""
-
-    floor: Floor
-    read_bytes_per_s: float
-    peak_flops: float
-
-
-def _bf16_floor(model: Path, batch: int) -> _Bf16Floor:
-    bandwidth, peak = read_bandwidth(), peak_flops(torch.bfloat16)
-    costs = step_costs(read_config(model), batch, "bfloat16")
-    return _Bf16Floor(decode_floor(costs, batch, bandwidth, peak), bandwidth, peak)
-
-
 async def _pairs(
     model: Path, requests: int, prompt_len: int, max_tokens: int, pairs: int, threads: int
-) -> tuple[list[tuple[Phases, Phases]], list[_Bf16Floor]]:
+) -> tuple[list[tuple[Phases, Phases]], list[_Roofline]]:
     """The bf16 (A) and fp32 (B) engines' phases per pair, and each pair's bf16 floor."""
     cfg = read_config(model)
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
@@ -75,11 +60,11 @@ async def _pairs(
             return phase_prompts(ids, requests, prompt_len, f"{i}-{phase}")
 
         seen: list[Phases] = []
-        floors: list[_Bf16Floor] = []
+        floors: list[_Roofline] = []
 
         async def measure_bf16(i: int) -> Phases:
             seen.append(await bf16.phases(i, prompts(i, "pre"), prompts(i, "full")))
-            floors.append(_bf16_floor(model, requests))
+            floors.append(_roofline(model, requests, "bfloat16"))
             return seen[-1]
 
         async def measure_fp32(i: int) -> Phases:
@@ -136,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
         "bf16_floor_fraction_min": f"{of_floor.ratio_min:.3f}",
         "bf16_floor_fraction_max": f"{of_floor.ratio_max:.3f}",
         "read_gbps": f"{median_side([f.read_bytes_per_s / 1e9 for f in floors]):.2f}",
-        "peak_bf16_gflops": f"{median_side([f.peak_flops / 1e9 for f in floors]):.1f}",
+        "peak_bf16_gflops": f"{median_side([f.bf16_flops / 1e9 for f in floors]):.1f}",
         "pairs": speedup.pairs,
     }
     print(" ".join(f"{k}={v}" for k, v in fields.items()))
