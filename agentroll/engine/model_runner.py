@@ -60,6 +60,11 @@ PACK_COLS = 32  # the kernels' kPackCols: packed weights are panels of this many
 # position 300 (12.8k keys) took 712 us that way against 958 layer by layer; at this bound a
 # layer's prefill attention stays under about 0.7 ms.
 _FUSED_PREFILL_KEYS = 65536
+# A block's dims in each cache ([kv_heads, head_dim, block_size] for K, [kv_heads,
+# block_size, head_dim] for V) in the order of position-major rows [block_size, kv_heads,
+# head_dim], the layout read_blocks gives and write_blocks takes.
+_K_TO_ROWS = (2, 0, 1)
+_V_TO_ROWS = (1, 0, 2)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x (one per decode)
@@ -160,8 +165,9 @@ class ModelRunner:
 
     Not thread-safe: one step at a time.  ``num_blocks * block_size`` bounds the cached tokens.
 
-    The KV cache holds, per layer, K and V of shape [num_blocks, block_size, kv_heads,
-    head_dim]; a step takes sequences as plain records: new tokens, the number already
+    The KV cache holds, per layer, K of shape [num_blocks, kv_heads, head_dim, block_size]
+    (a block's keys of one head transposed: the C++ attention scores 16 keys per vector from
+    it) and V of shape [num_blocks, kv_heads, block_size, head_dim]; a step takes sequences as plain records: new tokens, the number already
     cached and a block table of ints.  On the CPU it uses the engine's C++ kernels
     (``kernels.py``) for fp32: a step of decodes and short prefill chunks, and every step in
     the batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in
@@ -213,7 +219,6 @@ class ModelRunner:
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.allocate_kv()
-        self._block_offsets = torch.arange(block_size, device=self.device)
         dim = cfg.head_dim
         self._inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
@@ -262,9 +267,12 @@ class ModelRunner:
         """(Re)allocate the KV cache, zeroed: one buffer, so that freeing it hands every page
         back to the system at once (one allocation past the allocator's mmap threshold)."""
         cfg = self.config
-        shape = (2, cfg.num_layers, self.num_blocks, self.block_size, cfg.num_kv_heads)
-        kv = torch.zeros((*shape, cfg.head_dim), dtype=self.dtype, device=self.device)
-        self.k_cache, self.v_cache = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+        nb, bs, kvh, hd = self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
+        kv = torch.zeros(
+            (2, cfg.num_layers, nb * kvh * hd * bs), dtype=self.dtype, device=self.device
+        )
+        self.k_cache = list(kv[0].view(cfg.num_layers, nb, kvh, hd, bs).unbind(0))
+        self.v_cache = list(kv[1].view(cfg.num_layers, nb, kvh, bs, hd).unbind(0))
 
     def release_kv(self) -> int:
         """Free the KV cache (every block's contents are lost); returns the bytes freed.  No
@@ -573,11 +581,33 @@ class ModelRunner:
             self._cos = torch.cat((self._cos, emb.cos()))
             self._sin = torch.cat((self._sin, emb.sin()))
 
-    def _gather_index(self, table: Sequence[int], length: int) -> Tensor:
-        """Cache slots of positions 0..length-1 of one sequence."""
-        nb = -(-length // self.block_size)
-        blocks = _long(table[:nb], self.device)
-        return (blocks[:, None] * self.block_size + self._block_offsets).reshape(-1)[:length]
+    def _table(self, table: Sequence[int], length: int) -> Tensor:
+        """The ids of the blocks that hold positions 0..length-1 of one sequence."""
+        return _long(table[: -(-length // self.block_size)], self.device)
+
+    @staticmethod
+    def gather_kv(
+        k_cache: Tensor, v_cache: Tensor, blocks: Tensor, length: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """K and V of a layer's blocks ``blocks`` (int64 [..., nb]) in position order, cut to
+        ``length`` positions: each [..., kv_heads, positions, head_dim] for SDPA, a view of
+        contiguous position-major rows [..., positions, kv_heads, head_dim] (SDPA's CPU
+        kernels round by the strides they get: every caller gets the same ones)."""
+        k, v = k_cache[blocks], v_cache[blocks]
+        k = k.permute(*range(k.dim() - 4), -4, -1, -3, -2).flatten(-4, -3)
+        v = v.permute(*range(v.dim() - 4), -4, -2, -3, -1).flatten(-4, -3)
+        if length is not None:
+            k, v = k[..., :length, :, :], v[..., :length, :, :]
+        return k.contiguous().transpose(-3, -2), v.contiguous().transpose(-3, -2)
+
+    @staticmethod
+    def store_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Slot ``slots[t]`` of a layer's caches gets ``k[t]`` and ``v[t]`` ([T, kv_heads,
+        head_dim]); the torch ops' way of the kernels' ``store_kv``."""
+        bs = k_cache.shape[-1]
+        blk, off = slots // bs, slots % bs
+        k_cache[blk, :, :, off] = k
+        v_cache[blk, :, off] = v
 
     # -- KV snapshots and weights ----------------------------------------------------------
 
@@ -588,10 +618,11 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-        """Host copies of K and V of these blocks: each [layers, n, block_size, kv_heads, hd]."""
+        """Host copies of K and V of these blocks: each [layers, n, block_size, kv_heads, hd]
+        (position-major, whatever the cache's own layout: snapshots keep this format)."""
         idx = self._block_index(block_ids)
         out = []
-        for cache in (self.k_cache, self.v_cache):
+        for cache, order in ((self.k_cache, _K_TO_ROWS), (self.v_cache, _V_TO_ROWS)):
             # gathered straight into the result (index_select then stack copied twice)
             t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.dtype)
             for layer, c in enumerate(cache):
@@ -599,18 +630,22 @@ class ModelRunner:
                     torch.index_select(c, 0, idx, out=t[layer])
                 else:  # one gather on the device, one copy to the host
                     t[layer].copy_(c.index_select(0, idx))
-            out.append(t)
+            out.append(t.permute(0, 1, *(2 + i for i in order)).contiguous())
         return out[0], out[1]
 
     def write_blocks(self, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Restore blocks from :meth:`read_blocks` output, bit-exactly (dtype must match)."""
         idx = self._block_index(block_ids)
-        want = (len(self.k_cache), len(idx), *self.k_cache[0].shape[1:])
+        cfg = self.config
+        want = (cfg.num_layers, len(idx), self.block_size, cfg.num_kv_heads, cfg.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want or t.dtype != self.dtype:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.dtype}"
                 )
+        # back from position-major rows to each cache's layout
+        k = k.permute(0, 1, *(2 + _K_TO_ROWS.index(i) for i in range(3)))
+        v = v.permute(0, 1, *(2 + _V_TO_ROWS.index(i) for i in range(3)))
         for layer in range(len(self.k_cache)):
             self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))
             self.v_cache[layer].index_copy_(0, idx, v[layer].to(self.device))

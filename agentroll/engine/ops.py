@@ -55,7 +55,7 @@ class _FastOps:
         for i, it in enumerate(plan.items):
             if len(it.token_ids) > 1:
                 n, start = len(it.token_ids), it.start_pos
-                gather = runner._gather_index(it.block_table, start + n)
+                gather = runner._table(it.block_table, start + n)
                 mask = None
                 if start:
                     keys = torch.arange(start + n, device=dev)
@@ -74,7 +74,7 @@ class _FastOps:
                 self.decode_lens = _long(lengths, dev)
             else:
                 # One padded call for all decodes; keys past a sequence's end are masked out.
-                self.decode_gather = (blocks[:, :, None] * bs + runner._block_offsets).flatten(1)
+                self.decode_gather = blocks
                 keys = torch.arange(nb * bs, device=dev)
                 lens = _long(lengths, dev)
                 self.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
@@ -102,13 +102,11 @@ class _FastOps:
         return apply_rope(x, cos, sin)
 
     def _store(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        kc = self.runner.k_cache[layer].view(-1, *k.shape[1:])
-        vc = self.runner.v_cache[layer].view(-1, *v.shape[1:])
+        kc, vc = self.runner.k_cache[layer], self.runner.v_cache[layer]
         if self.kernels is not None:
             self.kernels.store_kv(k.contiguous(), v.contiguous(), kc, vc, self.plan.slots)
         else:
-            kc.index_copy_(0, self.plan.slots, k)
-            vc.index_copy_(0, self.plan.slots, v)
+            self.runner.store_kv(kc, vc, self.plan.slots, k, v)
         return kc, vc
 
     def _paged(
@@ -116,17 +114,14 @@ class _FastOps:
     ) -> Tensor:
         """The C++ kernel: query row i attends to keys 0..lens[i]-1 of table row rows[i]."""
         assert self.kernels is not None
-        runner = self.runner
         return self.kernels.paged_attention(
-            q.contiguous(), kc, vc, tables, rows, lens, runner.block_size, runner.scale
+            q.contiguous(), kc, vc, tables, rows, lens, self.runner.scale
         )
 
     def _decode_attention(self, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
         if self.kernels is not None:
             return self._paged(q, kc, vc, self.decode_tables, self.decode_index, self.decode_lens)
-        shape = (*self.decode_gather.shape, *kc.shape[1:])
-        keys = kc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
-        values = vc.index_select(0, self.decode_gather.view(-1)).view(shape).transpose(1, 2)
+        keys, values = self.runner.gather_kv(kc, vc, self.decode_gather)
         return F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=self.decode_mask, enable_gqa=True
         ).squeeze(2)
@@ -141,11 +136,13 @@ class _FastOps:
             out.index_copy_(0, self.decode_rows, o)
         else:
             out = torch.empty_like(q)
-        for off, n, gather, mask in self.prefills:
+        for off, n, blocks, mask in self.prefills:
+            end = n if mask is None else mask.shape[1]  # keys 0 .. start + n - 1
+            keys, values = self.runner.gather_kv(kc, vc, blocks, end)
             o = F.scaled_dot_product_attention(
                 q[off : off + n].transpose(0, 1).unsqueeze(0),
-                kc.index_select(0, gather).transpose(0, 1).unsqueeze(0),
-                vc.index_select(0, gather).transpose(0, 1).unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 enable_gqa=True,
@@ -170,8 +167,7 @@ class _InvariantOps(_FastOps):
         self.runner, self.plan, self.tile = runner, plan, runner.invariant_tile
         self.kernels = None  # see the class doc
         self.gathers = [
-            runner._gather_index(it.block_table, it.start_pos + len(it.token_ids))
-            for it in plan.items
+            runner._table(it.block_table, it.start_pos + len(it.token_ids)) for it in plan.items
         ]
 
     def _tiled(self, fn: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
@@ -202,9 +198,10 @@ class _InvariantOps(_FastOps):
         kc, vc = self._store(layer, k, v)
         queries = q.unsqueeze(2)  # [T, heads, 1, hd]: one query row per call
         out: list[Tensor] = []
-        for off, item, gather in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):
-            keys = kc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
-            values = vc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
+        for off, item, blocks in zip(self.plan.offsets, self.plan.items, self.gathers, strict=True):
+            length = item.start_pos + len(item.token_ids)
+            keys, values = self.runner.gather_kv(kc, vc, blocks, length)
+            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
             for r in range(len(item.token_ids)):
                 end = item.start_pos + r + 1
                 out.append(

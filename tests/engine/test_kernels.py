@@ -43,13 +43,30 @@ def test_rms_norm_silu_rope_match_torch(ext: ModuleType) -> None:
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
+def _to_cache(k: torch.Tensor, v: torch.Tensor, block_size: int):  # type: ignore[no-untyped-def]
+    """Slot rows [slots, kv_heads, dim] in the kernels' layout: K [blocks, kv_heads, dim,
+    block_size], V [blocks, kv_heads, block_size, dim]."""
+    kb = k.view(-1, block_size, *k.shape[1:])
+    vb = v.view(-1, block_size, *v.shape[1:])
+    return kb.permute(0, 2, 3, 1).contiguous(), vb.permute(0, 2, 1, 3).contiguous()
+
+
+def _to_rows(kc: torch.Tensor, vc: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The kernels' caches back as slot rows [slots, kv_heads, dim]."""
+    kvh, dim = kc.shape[1], kc.shape[2]
+    k = kc.permute(0, 3, 1, 2).reshape(-1, kvh, dim)
+    return k, vc.permute(0, 2, 1, 3).reshape(-1, kvh, dim)
+
+
 def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks * block_size, kv_heads, dim)
-    return torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    k, v = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    return _to_cache(k, v, block_size)
 
 
 def _reference(q, kc, vc, tables, rows, lens, block_size):  # type: ignore[no-untyped-def]
+    kc, vc = _to_rows(kc, vc)
     out = []
     for i in range(q.shape[0]):
         n = int(lens[i])
@@ -87,7 +104,7 @@ def test_paged_attention_matches_gather_and_sdpa(
     rows = torch.tensor([0, 1, 2, 3, 3, 3, 3])
     lens = torch.tensor([1, 8 * block_size, 3 * block_size + 1, 10, 11, 12, 13])
     q = torch.randn(len(rows), heads, dim, generator=torch.Generator().manual_seed(9))
-    got = ext.paged_attention(q, kc, vc, tables, rows, lens, block_size, dim**-0.5)
+    got = ext.paged_attention(q, kc, vc, tables, rows, lens, dim**-0.5)
     want = _reference(q, kc, vc, tables, rows, lens, block_size)
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
 
@@ -108,10 +125,10 @@ def test_every_kernel_is_per_row_invariant(ext: ModuleType) -> None:
     tables = torch.arange(32).view(2, 16)
     q = torch.randn(40, 2, 64, generator=gen)
     rows, lens = torch.zeros(40, dtype=torch.long), torch.arange(100, 140)
-    prefill = ext.paged_attention(q, kc, vc, tables, rows, lens, 16, 0.125)
+    prefill = ext.paged_attention(q, kc, vc, tables, rows, lens, 0.125)
     for r in (0, 21, 39):
         one = ext.paged_attention(
-            q[r : r + 1].clone(), kc, vc, tables[:1].clone(), rows[:1], lens[r : r + 1], 16, 0.125
+            q[r : r + 1].clone(), kc, vc, tables[:1].clone(), rows[:1], lens[r : r + 1], 0.125
         )
         assert torch.equal(one, prefill[r : r + 1])
 
@@ -125,12 +142,12 @@ def test_paged_attention_reads_a_rows_heads_together_or_apart_alike(ext: ModuleT
     rows = torch.arange(24) % 8
     lens = torch.randint(1, 8 * 16 + 1, (24,), generator=gen)
     q = torch.randn(24, 15, 64, generator=gen)
-    together = ext.paged_attention(q, kc, vc, tables, rows, lens, 16, 0.125)
+    together = ext.paged_attention(q, kc, vc, tables, rows, lens, 0.125)
     want = _reference(q, kc, vc, tables, rows, lens, 16)
     assert torch.allclose(together, want, atol=2e-6, rtol=1e-5)
     for r in (0, 11, 23):
         apart = ext.paged_attention(
-            q[r : r + 1].clone(), kc, vc, tables, rows[r : r + 1], lens[r : r + 1], 16, 0.125
+            q[r : r + 1].clone(), kc, vc, tables, rows[r : r + 1], lens[r : r + 1], 0.125
         )
         assert torch.equal(apart, together[r : r + 1])
 
@@ -139,15 +156,15 @@ def test_bad_input_raises_and_names_it(ext: ModuleType) -> None:
     kc, vc = _cache(4, 4, 1, 8, seed=3)
     q = torch.randn(1, 1, 8)
     ok = (torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([5]))
-    ext.paged_attention(q, kc, vc, *ok, 4, 1.0)
+    ext.paged_attention(q, kc, vc, *ok, 1.0)
     with pytest.raises(RuntimeError, match="block id 9"):
-        ext.paged_attention(q, kc, vc, torch.tensor([[0, 9]]), ok[1], ok[2], 4, 1.0)
+        ext.paged_attention(q, kc, vc, torch.tensor([[0, 9]]), ok[1], ok[2], 1.0)
     with pytest.raises(RuntimeError, match="lens"):
-        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([0]), 4, 1.0)
+        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([0]), 1.0)
     with pytest.raises(RuntimeError, match="lens"):
-        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([9]), 4, 1.0)
+        ext.paged_attention(q, kc, vc, ok[0], ok[1], torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="not a table row"):
-        ext.paged_attention(q, kc, vc, ok[0], torch.tensor([1]), ok[2], 4, 1.0)
+        ext.paged_attention(q, kc, vc, ok[0], torch.tensor([1]), ok[2], 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         ext.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -266,17 +283,25 @@ def test_greedy_log_softmax_and_per_row_invariance(ext: ModuleType) -> None:
 
 
 def test_store_kv_writes_the_slots_and_refuses_bad_ones(ext: ModuleType) -> None:
-    kc, vc = torch.zeros(2, 12, 2, 4)
+    from agentroll.engine.model_runner import ModelRunner
+
+    kc, vc = _to_cache(*torch.zeros(2, 12, 2, 4), block_size=4)
     k, v = torch.randn(2, 3, 2, 4)
     slots = torch.tensor([7, 0, 11])
-    want_k, want_v = kc.clone(), vc.clone()
+    want_k, want_v = _to_rows(kc, vc)
     want_k.index_copy_(0, slots, k)
     want_v.index_copy_(0, slots, v)
+    torch_k, torch_v = kc.clone(), vc.clone()  # the torch ops' store, on the same layout
+    ModelRunner.store_kv(torch_k, torch_v, slots, k, v)
     ext.store_kv(k, v, kc, vc, slots)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.equal(kc, torch_k) and torch.equal(vc, torch_v)
+    got_k, got_v = _to_rows(kc, vc)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(RuntimeError, match="slot 12"):
         ext.store_kv(k, v, kc, vc, torch.tensor([1, 2, 12]))
-    assert torch.equal(kc, want_k)  # refused before any write
+    with pytest.raises(RuntimeError, match="the caches must be"):
+        ext.store_kv(k, v, *_to_rows(kc, vc), slots)
+    assert torch.equal(kc, torch_k)  # refused before any write
 
 
 def test_uniform_is_the_samplers_own_draw(ext: ModuleType) -> None:
