@@ -497,6 +497,29 @@ def _roofline(model: Path, batch: int, dtype: str = "float32") -> _Roofline:
     return _Roofline(costs, decode_floor(costs, batch, bandwidth, peak), bandwidth, fp32, bf16)
 
 
+def roofline_fields(
+    decodes: Sequence[float], roofs: Sequence[_Roofline], prefix: str = ""
+) -> dict[str, str]:
+    """A result line's floor keys from each pair's decode tokens/s and the roofline measured
+    beside it: the fraction is the median of each pair's decode over its own pair's floor
+    (with its range), the floor and read bandwidth are medians over the pairs and the bound
+    is the most pairs'.  ``prefix`` names the floor ("bf16_")."""
+    of_floor = paired_ratio(
+        [(d, r.floor.tokens_per_s) for d, r in zip(decodes, roofs, strict=True)]
+    )
+    read = [r.read_bytes_per_s / 1e9 for r in roofs]
+    return {
+        f"{prefix}floor_tokens_per_s": f"{median_side([r.floor.tokens_per_s for r in roofs]):.1f}",
+        "bound": Counter(r.floor.bound for r in roofs).most_common(1)[0][0],
+        f"{prefix}floor_fraction": f"{of_floor.ratio:.3f}",
+        f"{prefix}floor_fraction_min": f"{of_floor.ratio_min:.3f}",
+        f"{prefix}floor_fraction_max": f"{of_floor.ratio_max:.3f}",
+        "read_gbps": f"{median_side(read):.2f}",
+        "read_gbps_min": f"{min(read):.2f}",
+        "read_gbps_max": f"{max(read):.2f}",
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class _Phased:
     """Prefill and decode of every system per pair, and the roofline measured beside each
@@ -604,14 +627,6 @@ def phase_fields(ph: _Phased) -> dict[str, Any]:
     """The result line's prefill/decode and roofline keys (see ``main_engine``)."""
     decode = _Phased.median(ph.ours, "decode_tokens_per_s")
     vs_vllm = ph.ratio("decode_tokens_per_s", "vllm")
-    of_floor = paired_ratio(
-        [
-            (a.decode_tokens_per_s, r.floor.tokens_per_s)
-            for a, r in zip(ph.ours, ph.roofs, strict=True)
-        ]
-    )
-    bounds = Counter(r.floor.bound for r in ph.roofs)
-    read = [r.read_bytes_per_s / 1e9 for r in ph.roofs]
     return {
         "prefill_tokens_per_s": f"{_Phased.median(ph.ours, 'prefill_tokens_per_s'):.1f}",
         "decode_tokens_per_s": f"{decode:.1f}",
@@ -629,15 +644,8 @@ def phase_fields(ph: _Phased) -> dict[str, Any]:
             f"{_Phased.median(ph.vllm, 'whole_decode_tokens_per_s'):.1f}"
         ),
         "whole_decode_ratio_vs_vllm": f"{ph.ratio('whole_decode_tokens_per_s', 'vllm').ratio:.2f}",
-        "floor_tokens_per_s": f"{median_side([r.floor.tokens_per_s for r in ph.roofs]):.1f}",
-        "bound": bounds.most_common(1)[0][0],
-        "floor_fraction": f"{of_floor.ratio:.3f}",
-        "floor_fraction_min": f"{of_floor.ratio_min:.3f}",
-        "floor_fraction_max": f"{of_floor.ratio_max:.3f}",
+        **roofline_fields([a.decode_tokens_per_s for a in ph.ours], ph.roofs),
         "weight_mb": f"{ph.roofs[0].costs.weight_bytes / 1e6:.1f}",
-        "read_gbps": f"{median_side(read):.2f}",
-        "read_gbps_min": f"{min(read):.2f}",
-        "read_gbps_max": f"{max(read):.2f}",
         "peak_gflops": f"{median_side([r.fp32_flops / 1e9 for r in ph.roofs]):.1f}",
         "peak_bf16_gflops": f"{median_side([r.bf16_flops / 1e9 for r in ph.roofs]):.1f}",
     }

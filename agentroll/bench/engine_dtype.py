@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from agentroll.bench.engine import (
     _roofline,
     _valid_ids,
     phase_prompts,
+    roofline_fields,
 )
 from agentroll.bench.pairs import alternate_async, median_side, paired_ratio
 from agentroll.engine.engine import default_threads
@@ -95,13 +95,6 @@ def main(args: argparse.Namespace) -> int:
     measured, floors = asyncio.run(
         _pairs(model, n, args.prompt_len, args.max_tokens, args.pairs, threads)
     )
-    of_floor = paired_ratio(
-        [
-            (a.decode_tokens_per_s, f.floor.tokens_per_s)
-            for (a, _), f in zip(measured, floors, strict=True)
-        ]
-    )
-    bounds = Counter(f.floor.bound for f in floors)
     speedup = paired_ratio([(a.decode_tokens_per_s, b.decode_tokens_per_s) for a, b in measured])
     prefill = paired_ratio([(a.prefill_tokens_per_s, b.prefill_tokens_per_s) for a, b in measured])
     decode_bf16 = median_side([a.decode_tokens_per_s for a, _ in measured])
@@ -115,12 +108,7 @@ def main(args: argparse.Namespace) -> int:
         "decode_speedup_min": f"{speedup.ratio_min:.2f}",
         "decode_speedup_max": f"{speedup.ratio_max:.2f}",
         "prefill_speedup": f"{prefill.ratio:.2f}",
-        "bf16_floor_tokens_per_s": f"{median_side([f.floor.tokens_per_s for f in floors]):.1f}",
-        "bound": bounds.most_common(1)[0][0],
-        "bf16_floor_fraction": f"{of_floor.ratio:.3f}",
-        "bf16_floor_fraction_min": f"{of_floor.ratio_min:.3f}",
-        "bf16_floor_fraction_max": f"{of_floor.ratio_max:.3f}",
-        "read_gbps": f"{median_side([f.read_bytes_per_s / 1e9 for f in floors]):.2f}",
+        **roofline_fields([a.decode_tokens_per_s for a, _ in measured], floors, "bf16_"),
         "peak_bf16_gflops": f"{median_side([f.bf16_flops / 1e9 for f in floors]):.1f}",
         "pairs": speedup.pairs,
     }

@@ -253,6 +253,10 @@ def test_floor_fraction_is_the_median_of_each_pairs_own_fraction() -> None:
         f"{gbps[0]:.2f}",
         f"{gbps[-1]:.2f}",
     )
+    # bench engine-dtype's bf16 floor: the same summary under its own names
+    bf16 = bench_engine.roofline_fields(decodes, roofs, "bf16_")
+    assert bf16["bf16_floor_fraction"] == "0.625" and "floor_fraction" not in bf16
+    assert bf16["bf16_floor_tokens_per_s"] == "160.0" and bf16["read_gbps"] == fields["read_gbps"]
 
 
 def test_no_hf_leaves_transformers_out(
