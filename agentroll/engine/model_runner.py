@@ -167,8 +167,8 @@ class ModelRunner:
 
     The KV cache holds, per layer, K of shape [num_blocks, kv_heads, head_dim, block_size]
     (a block's keys of one head transposed: the C++ attention scores 16 keys per vector from
-    it) and V of shape [num_blocks, kv_heads, block_size, head_dim]; a step takes sequences as plain records: new tokens, the number already
-    cached and a block table of ints.  On the CPU it uses the engine's C++ kernels
+    it) and V of shape [num_blocks, kv_heads, block_size, head_dim]; a step takes sequences
+    as plain records: new tokens, the number already cached and a block table of ints.  On the CPU it uses the engine's C++ kernels
     (``kernels.py``) for fp32: a step of decodes and short prefill chunks, and every step in
     the batch-invariant mode, is one call of their ``decoder_forward`` (the whole model in
     C++, over fused QKV and gate/up weights packed once, products by oneDNN's brgemm

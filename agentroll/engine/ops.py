@@ -55,12 +55,12 @@ class _FastOps:
         for i, it in enumerate(plan.items):
             if len(it.token_ids) > 1:
                 n, start = len(it.token_ids), it.start_pos
-                gather = runner._table(it.block_table, start + n)
+                ids = runner._table(it.block_table, start + n)
                 mask = None
                 if start:
                     keys = torch.arange(start + n, device=dev)
                     mask = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
-                self.prefills.append((plan.offsets[i], n, gather, mask))
+                self.prefills.append((plan.offsets[i], n, ids, mask))
         self.decode_rows: Tensor | None = None
         self.all_decodes = len(decodes) == len(plan.items)  # rows are the decodes, in order
         if decodes:
