@@ -60,11 +60,13 @@ PACK_COLS = 32  # the kernels' kPackCols: packed weights are panels of this many
 # position 300 (12.8k keys) took 712 us that way against 958 layer by layer; at this bound a
 # layer's prefill attention stays under about 0.7 ms.
 _FUSED_PREFILL_KEYS = 65536
-# A block's dims in each cache ([kv_heads, head_dim, block_size] for K, [kv_heads,
-# block_size, head_dim] for V) in the order of position-major rows [block_size, kv_heads,
-# head_dim], the layout read_blocks gives and write_blocks takes.
-_K_TO_ROWS = (2, 0, 1)
-_V_TO_ROWS = (1, 0, 2)
+
+
+def _as_rows(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of K and V blocks in the cache's layout ([..., kv_heads, head_dim, block_size]
+    and [..., kv_heads, block_size, head_dim]) as position-major rows [..., block_size,
+    kv_heads, head_dim]: the layout of SDPA's gathers and of read_blocks/write_blocks."""
+    return k.movedim(-1, -3), v.transpose(-3, -2)
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x (one per decode)
@@ -593,9 +595,9 @@ class ModelRunner:
         ``length`` positions: each [..., kv_heads, positions, head_dim] for SDPA, a view of
         contiguous position-major rows [..., positions, kv_heads, head_dim] (SDPA's CPU
         kernels round by the strides they get: every caller gets the same ones)."""
-        k, v = k_cache[blocks], v_cache[blocks]
-        k = k.permute(*range(k.dim() - 4), -4, -1, -3, -2).flatten(-4, -3)
-        v = v.permute(*range(v.dim() - 4), -4, -2, -3, -1).flatten(-4, -3)
+        rows_k, rows_v = _as_rows(k_cache, v_cache)
+        # one gather each, straight into position-major rows [..., nb * block_size, kvh, hd]
+        k, v = rows_k[blocks].flatten(-4, -3), rows_v[blocks].flatten(-4, -3)
         if length is not None:
             k, v = k[..., :length, :, :], v[..., :length, :, :]
         return k.contiguous().transpose(-3, -2), v.contiguous().transpose(-3, -2)
@@ -605,9 +607,9 @@ class ModelRunner:
         """Slot ``slots[t]`` of a layer's caches gets ``k[t]`` and ``v[t]`` ([T, kv_heads,
         head_dim]); the torch ops' way of the kernels' ``store_kv``."""
         bs = k_cache.shape[-1]
-        blk, off = slots // bs, slots % bs
-        k_cache[blk, :, :, off] = k
-        v_cache[blk, :, off] = v
+        rows_k, rows_v = _as_rows(k_cache, v_cache)
+        rows_k[slots // bs, slots % bs] = k
+        rows_v[slots // bs, slots % bs] = v
 
     # -- KV snapshots and weights ----------------------------------------------------------
 
@@ -617,38 +619,39 @@ class ModelRunner:
             raise ValueError(f"block ids must be distinct and in [0, {self.num_blocks})")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
+    def _rows_shape(self, n: int) -> tuple[int, ...]:
+        """The shape of n blocks' K (or V) as read_blocks gives them."""
+        cfg = self.config
+        return (cfg.num_layers, n, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Host copies of K and V of these blocks: each [layers, n, block_size, kv_heads, hd]
         (position-major, whatever the cache's own layout: snapshots keep this format)."""
         idx = self._block_index(block_ids)
-        out = []
-        for cache, order in ((self.k_cache, _K_TO_ROWS), (self.v_cache, _V_TO_ROWS)):
-            # gathered straight into the result (index_select then stack copied twice)
-            t = torch.empty((len(cache), len(idx), *cache[0].shape[1:]), dtype=self.dtype)
-            for layer, c in enumerate(cache):
-                if c.device.type == "cpu":
-                    torch.index_select(c, 0, idx, out=t[layer])
+        shape = self._rows_shape(len(idx))
+        # gathered straight into the result (index_select then stack copied twice)
+        k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+        for layer, caches in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
+            for t, rows in zip((k, v), _as_rows(*caches), strict=True):
+                if rows.device.type == "cpu":
+                    torch.index_select(rows, 0, idx, out=t[layer])
                 else:  # one gather on the device, one copy to the host
-                    t[layer].copy_(c.index_select(0, idx))
-            out.append(t.permute(0, 1, *(2 + i for i in order)).contiguous())
-        return out[0], out[1]
+                    t[layer].copy_(rows.index_select(0, idx))
+        return k, v
 
     def write_blocks(self, block_ids: Sequence[int], k: Tensor, v: Tensor) -> None:
         """Restore blocks from :meth:`read_blocks` output, bit-exactly (dtype must match)."""
         idx = self._block_index(block_ids)
-        cfg = self.config
-        want = (cfg.num_layers, len(idx), self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        want = self._rows_shape(len(idx))
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want or t.dtype != self.dtype:
                 raise ValueError(
                     f"{name} has shape {tuple(t.shape)} {t.dtype}; expected {want} {self.dtype}"
                 )
-        # back from position-major rows to each cache's layout
-        k = k.permute(0, 1, *(2 + _K_TO_ROWS.index(i) for i in range(3)))
-        v = v.permute(0, 1, *(2 + _V_TO_ROWS.index(i) for i in range(3)))
-        for layer in range(len(self.k_cache)):
-            self.k_cache[layer].index_copy_(0, idx, k[layer].to(self.device))
-            self.v_cache[layer].index_copy_(0, idx, v[layer].to(self.device))
+        for layer, (kc, vc) in enumerate(zip(self.k_cache, self.v_cache, strict=True)):
+            rows_k, rows_v = _as_rows(kc, vc)
+            rows_k.index_copy_(0, idx, k[layer].to(self.device))
+            rows_v.index_copy_(0, idx, v[layer].to(self.device))
 
     def weight_packed(self, weight: Tensor) -> tuple[Tensor, int]:
         """``weight`` packed (the kernels' ``pack_weight`` of ``weight.T``) and its number of

@@ -51,7 +51,8 @@ class _FastOps:
         self.runner, self.plan, self.kernels = runner, plan, runner.kernels
         dev, bs = runner.device, runner.block_size
         decodes = [i for i, it in enumerate(plan.items) if len(it.token_ids) == 1]
-        self.prefills: list[tuple[int, int, Tensor, Tensor | None]] = []
+        # (row offset, new tokens, block ids, keys to attend, mask or None: causal from 0)
+        self.prefills: list[tuple[int, int, Tensor, int, Tensor | None]] = []
         for i, it in enumerate(plan.items):
             if len(it.token_ids) > 1:
                 n, start = len(it.token_ids), it.start_pos
@@ -60,7 +61,7 @@ class _FastOps:
                 if start:
                     keys = torch.arange(start + n, device=dev)
                     mask = keys[None, :] <= torch.arange(start, start + n, device=dev)[:, None]
-                self.prefills.append((plan.offsets[i], n, ids, mask))
+                self.prefills.append((plan.offsets[i], n, ids, start + n, mask))
         self.decode_rows: Tensor | None = None
         self.all_decodes = len(decodes) == len(plan.items)  # rows are the decodes, in order
         if decodes:
@@ -136,9 +137,8 @@ class _FastOps:
             out.index_copy_(0, self.decode_rows, o)
         else:
             out = torch.empty_like(q)
-        for off, n, blocks, mask in self.prefills:
-            end = n if mask is None else mask.shape[1]  # keys 0 .. start + n - 1
-            keys, values = self.runner.gather_kv(kc, vc, blocks, end)
+        for off, n, blocks, length, mask in self.prefills:
+            keys, values = self.runner.gather_kv(kc, vc, blocks, length)
             o = F.scaled_dot_product_attention(
                 q[off : off + n].transpose(0, 1).unsqueeze(0),
                 keys.unsqueeze(0),

@@ -186,6 +186,12 @@ def test_read_write_blocks_round_trip_bit_exact(tiny: Path) -> None:
     assert torch.equal(tail[0], tail[1]) and torch.equal(tail[0], tail[2])
     with pytest.raises(ValueError, match="expected"):
         runner.write_blocks([0], k, v)
+    # the snapshot format is position-major whatever the cache's layout: [layer, block,
+    # offset in the block, kv head, dim]
+    rows = torch.randn(8, 1, 64)
+    ModelRunner.store_kv(fresh.k_cache[1], fresh.v_cache[1], torch.arange(24, 32), rows, -rows)
+    k, v = fresh.read_blocks([3])
+    assert torch.equal(k[1, 0], rows) and torch.equal(v[1, 0], -rows)
 
 
 @pytest.mark.parametrize(

@@ -413,22 +413,25 @@ void weigh_values(const float* s, int64_t ld, const float* inv, const T* value0,
     for (int64_t c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
 }
 
-// A group's heads in passes of up to kPass (4 at d = 64, 2 at 128: a pass's accumulators
-// stay in the 32 vector registers); the passes depend only on the group size.
+// A group's heads in passes: of up to kScorePass for the scores (two accumulators a head,
+// whatever D), of up to kPass for the weighted sums (4 at d = 64, 2 at 128: D / 16
+// accumulators a head); a pass's accumulators stay in the 32 vector registers, and the
+// passes depend only on the group size.
+constexpr int64_t kScorePass = 4;
 template <int64_t D>
 constexpr int64_t kPass = D <= 64 ? 4 : 2;
 
 template <int64_t D, typename T>
 void score_group(int64_t group, const float* q, const T* kt, int64_t bs, int64_t count,
                  float scale, float* s, int64_t ld) {
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+  for (int64_t g0 = 0; g0 < group; g0 += kScorePass) {
     const float* qg = q + g0 * D;
     float* sg = s + g0 * ld;
-    switch (std::min<int64_t>(4, group - g0)) {
+    switch (std::min(kScorePass, group - g0)) {
       case 1: score_keys<D, 1, T>(qg, kt, bs, count, scale, sg, ld); break;
       case 2: score_keys<D, 2, T>(qg, kt, bs, count, scale, sg, ld); break;
       case 3: score_keys<D, 3, T>(qg, kt, bs, count, scale, sg, ld); break;
-      default: score_keys<D, 4, T>(qg, kt, bs, count, scale, sg, ld); break;
+      default: score_keys<D, kScorePass, T>(qg, kt, bs, count, scale, sg, ld); break;
     }
   }
 }
