@@ -28,6 +28,7 @@ from agentroll.stream.segment import (
     _frame_head,
     _preallocate,
     _record_id,
+    _reserve_to,
     _retire_file,
     _scan_acks,
     _scan_records,
@@ -140,8 +141,9 @@ class Spool:
                 self._truncate(seg_path, good, len(data) - good, "segment")
             else:
                 # records a killed process wrote but did not fsync are about to be offered:
-                # make them durable first
-                with open(seg_path, "rb") as f:
+                # make them durable first, and give back what it reserved past them
+                with open(seg_path, "r+b") as f:
+                    f.truncate(good)
                     os.fsync(f.fileno())
                 self._stats.fsyncs += 1
             seg = self._segments[number] = _Segment(number, seg_path, good, recyclable=not untagged)
@@ -234,6 +236,10 @@ class Spool:
                         j += 1
                     fd = os.dup(self._fd)  # an ack may delete the segment and close _fd
                     self._writing = seg  # ... but not this one: _collect skips it
+                if end > seg.reserved:  # only appenders touch .reserved, and they take turns
+                    reach = _reserve_to(seg.reserved, end, limit)
+                    _preallocate(fd, seg.reserved, reach - seg.reserved)
+                    seg.reserved = reach
                 # frames are tagged with the segment's number (known only now)
                 parts: list[bytes] = []
                 for _, rid_bytes, payload in framed[i:j]:
@@ -293,7 +299,6 @@ class Spool:
             self._fd = os.open(path, os.O_WRONLY)
         else:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _preallocate(self._fd, self.config.segment_bytes)
         fsync_path(self.path)  # the new file's name is durable before any record in it
         seg = self._active = self._segments[number] = _Segment(number, path, 0)
         self._stats.segments = len(self._segments)
@@ -302,8 +307,9 @@ class Spool:
     @staticmethod
     def _trim(fd: int, seg: _Segment | None) -> None:
         """Cut a recycled file's old records past ``seg``'s own (they would fail their checks
-        at the next open anyway, but be reported as a torn tail)."""
-        if seg is not None and os.fstat(fd).st_size > seg.size:
+        at the next open anyway, but be reported as a torn tail), and give back the disk
+        blocks reserved past them (a same-size truncate releases them)."""
+        if seg is not None:
             os.ftruncate(fd, seg.size)
 
     def _free_path(self, number: int) -> Path:

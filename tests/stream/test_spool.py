@@ -400,23 +400,40 @@ def test_random_crashes_lose_nothing_durable(
         spool.close()
 
 
-def test_segments_are_preallocated_yet_hold_exactly_their_records(tmp_path: Path) -> None:
-    """A new segment reserves ``segment_bytes`` of disk (fallocate KEEP_SIZE, Linux) without
-    growing: its size is what was written, so a reopen finds no torn tail."""
+def test_segments_reserve_disk_in_steps_and_give_back_the_rest(tmp_path: Path) -> None:
+    """An open segment reserves disk ahead of its records (fallocate KEEP_SIZE, Linux) in
+    doubling steps from 4 MB, never the whole ``segment_bytes`` for a few records, without
+    growing: its size is what was written, so a reopen finds no torn tail.  A close, and a
+    reopen after a crash (a reservation left behind), give back what lies past the records."""
     from agentroll.stream import segment as segment_module
 
-    config = SpoolConfig(segment_bytes=1 << 20)
+    linux = segment_module._fallocate is not None
+    mb = 1 << 20
+    config = SpoolConfig(segment_bytes=64 * mb)
     with Spool(tmp_path, config) as spool:
         spool.append_many([traj(i) for i in range(3)])
         spool.flush()
         (segment,) = segments(tmp_path)
         stat = segment.stat()
-        assert stat.st_size == spool.statistics().bytes
-        if segment_module._fallocate is not None:  # Linux
-            assert stat.st_blocks * 512 >= 1 << 20  # reserved (tmpfs and ext4 both do)
+        assert stat.st_size == spool.statistics().bytes < mb
+        if linux:  # reserved, one step (tmpfs and ext4 both do)
+            assert 4 * mb <= stat.st_blocks * 512 < 5 * mb
+        spool.append(("big", b"x" * (5 * mb)))  # past the step: double it
+        if linux:
+            assert 8 * mb <= segment.stat().st_blocks * 512 < 9 * mb
+    stat = segment.stat()
+    assert stat.st_blocks * 512 < stat.st_size + mb  # the close gave the rest back
+    if linux:  # a killed process leaves its reservation behind; the reopen releases it
+        fd = os.open(segment, os.O_WRONLY)
+        try:
+            segment_module._preallocate(fd, 0, 32 * mb)
+        finally:
+            os.close(fd)
+        assert segment.stat().st_blocks * 512 >= 32 * mb
     with Spool(tmp_path, config) as spool:
         assert spool.statistics().torn_bytes_dropped == 0
-        assert ids(spool) == [f"t{i:05d}" for i in range(3)]
+        assert ids(spool) == [*(f"t{i:05d}" for i in range(3)), "big"]
+        assert segment.stat().st_blocks * 512 < stat.st_size + mb
 
 
 # -- reused segment files -------------------------------------------------------------------
