@@ -267,12 +267,15 @@ class ModelRunner:
 
     def allocate_kv(self) -> None:
         """(Re)allocate the KV cache, zeroed: one buffer, so that freeing it hands every page
-        back to the system at once (one allocation past the allocator's mmap threshold)."""
+        back to the system at once (one allocation past the allocator's mmap threshold; with
+        the CPU kernels, a mapping advised for 2 MB pages, see ``huge_zeros``)."""
         cfg = self.config
         nb, bs, kvh, hd = self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
-        kv = torch.zeros(
-            (2, cfg.num_layers, nb * kvh * hd * bs), dtype=self.dtype, device=self.device
-        )
+        shape = (2, cfg.num_layers, nb * kvh * hd * bs)
+        if self.kernels is not None and self.device.type == "cpu":
+            kv = self.kernels.huge_zeros(list(shape), self.dtype)
+        else:
+            kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.k_cache = list(kv[0].view(cfg.num_layers, nb, kvh, hd, bs).unbind(0))
         self.v_cache = list(kv[1].view(cfg.num_layers, nb, kvh, bs, hd).unbind(0))
 

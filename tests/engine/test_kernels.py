@@ -491,6 +491,35 @@ def test_packed_products_of_a_few_rows_stream_each_panel_once(ext: ModuleType) -
             assert torch.equal(outs[m], outs[8][:m]), (k, n, m)
 
 
+def test_huge_zeros_are_zeroed_aligned_and_outlive_their_first_tensor(ext: ModuleType) -> None:
+    """``huge_zeros``: a zeroed, writable tensor of the shape and dtype asked for; from 2 MB
+    on a mapping aligned to 2 MB (where pages of that size can back it), below that an
+    ordinary allocation; a view keeps the mapping alive after the tensor that made it goes,
+    and packed weights come from it."""
+    for shape, dtype in (
+        ((3, 5), torch.float32),
+        ((2, 4, 1 << 18), torch.float32),
+        ((1 << 21,), torch.bfloat16),
+    ):
+        t = ext.huge_zeros(list(shape), dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.any()
+        big = t.numel() * t.element_size() >= 2 << 20
+        if big and sys.platform.startswith("linux"):
+            assert t.data_ptr() % (2 << 20) == 0
+        t.view(-1)[-1] = 7
+        tail = t.view(-1)[-2:]
+        del t
+        assert tail.tolist() == [0, 7]
+    w = torch.randn(640, 1024)
+    packed = ext.pack_weight(w.t())
+    if sys.platform.startswith("linux"):
+        assert packed.data_ptr() % (2 << 20) == 0
+    assert torch.allclose(ext.linear_packed(w[:3], packed, 640, None, 0), w[:3] @ w.t(), atol=1e-3)
+    with pytest.raises(RuntimeError, match="negative"):
+        ext.huge_zeros([2, -1], torch.float32)
+
+
 def test_packed_copies_follow_the_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     from agentroll.engine.model_runner import ModelRunner, packed_max_bytes
     from agentroll.errors import ConfigError
