@@ -1043,8 +1043,9 @@ void linear_packed_into(torch::Tensor& out, const torch::Tensor& x, const torch:
 // A zero-filled contiguous tensor whose memory the kernel may back with 2 MB pages
 // (madvise(MADV_HUGEPAGE) on an anonymous mapping aligned to 2 MB, before any page is
 // touched): weights and KV blocks are read in long runs, and with 4 KB pages each run
-// crosses a page (a TLB miss, a stop of the hardware prefetcher) every 4 KB.  Small tensors,
-// and hosts without mmap, get torch::zeros.  The mapping is unmapped with the last tensor
+// crosses a page (a TLB miss, a stop of the hardware prefetcher) every 4 KB.  Every page is
+// touched here (a lazily faulted KV cache page cost its first decode steps ~5 ms each, in the
+// K/V store).  Small tensors, and hosts without mmap, get torch::zeros.  The mapping is unmapped with the last tensor
 // sharing its storage, handing every page back at once.
 torch::Tensor huge_zeros(const std::vector<int64_t>& sizes, torch::ScalarType dtype) {
   const auto opts = torch::TensorOptions().dtype(dtype);
@@ -1063,6 +1064,8 @@ torch::Tensor huge_zeros(const std::vector<int64_t>& sizes, torch::ScalarType dt
       const auto addr = reinterpret_cast<uintptr_t>(base);
       void* data = reinterpret_cast<void*>((addr + kHuge - 1) / kHuge * kHuge);
       madvise(data, len - kHuge, MADV_HUGEPAGE);  // advice only: 4 KB pages if refused
+      // fault every page in now, not at its first write inside a decode step
+      std::memset(data, 0, bytes);
       return torch::from_blob(
           data, sizes, [base, len](void*) { munmap(base, len); }, opts);
     }
