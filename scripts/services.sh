@@ -4,16 +4,9 @@
 # docker: a private engine for the docker sandbox tests (scripts/dockerd.sh).
 set -euo pipefail
 
-# disk: the suite writes its files under the temporary directory (pytest keeps its last
-# three runs there), and a full disk fails tests far from the cause: say so up front.
-tmp="${TMPDIR:-/tmp}"
-free_mb=$(df -Pm "$tmp" | awk 'NR==2 {print $4}')
-if [ "${free_mb:-0}" -lt 4096 ]; then
-  echo "==> disk: only ${free_mb} MB free under $tmp; keep at least 4 GB free." >&2
-  echo "    Free some: old $tmp/pytest-of-$(id -un) runs, earlier clones, pip caches." >&2
-else
-  echo "==> disk: ok (${free_mb} MB free under $tmp)"
-fi
+# disk: the suite's files go under the temporary directory (pytest keeps its last three
+# runs, about 0.3 GB each), and a full disk fails tests far from the cause: warn up front.
+"$(dirname "$0")/check_disk.sh" "${TMPDIR:-/tmp}" 2
 
 have_working_bwrap() {
   command -v bwrap >/dev/null 2>&1 && bwrap --unshare-all --die-with-parent --ro-bind / / true >/dev/null 2>&1
